@@ -1,0 +1,58 @@
+"""Atomic writes: outputs appear whole or not at all.
+
+Every file or folder a stage produces is written to a temporary sibling first and
+renamed into place, so an interrupted or failed stage never leaves a half-written
+output for DVC (or a user) to pick up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+@contextmanager
+def atomic_dir(target: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield an empty temporary folder that replaces `target` when the block succeeds."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if target.exists():
+        # Swap via a second rename so the old output is never missing while the new one
+        # is incomplete; the old copy is removed only after the new one is in place.
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        os.replace(target, old)
+        os.replace(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, target)
+
+
+def atomic_write_text(target: str | os.PathLike[str], text: str) -> None:
+    """Write `text` to `target` through a temporary file and a rename."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(target: str | os.PathLike[str], data: Any) -> None:
+    """Write `data` as indented, key-sorted JSON (stable bytes for DVC) atomically."""
+    atomic_write_text(target, json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,165 @@
+"""Length-grouped batches with dynamic padding, and the fixed-padding baseline.
+
+Hand-written rather than taken from transformers' `LengthGroupedSampler` because we
+need three things it does not give together: the longest batch first (an
+out-of-memory shows at step one, not at hour three), sharding across data-parallel
+ranks that stays disjoint and complete without padding duplicates, and a per-epoch
+batch list the engine can read ahead to weight the last partial accumulation window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import torch
+
+from pipelines.data.tokenization import TokenizedSplit
+
+MEGA_BATCH_MULT = 50
+
+
+def _split_largest(batches: list[list[int]], count: int) -> list[list[int]]:
+    """Split the `count` largest batches in two (used to make batches divisible by ranks)."""
+    batches = list(batches)
+    for _ in range(count):
+        i = max(range(len(batches)), key=lambda j: len(batches[j]))
+        if len(batches[i]) < 2:
+            break
+        big = batches.pop(i)
+        half = len(big) // 2
+        batches[i:i] = [big[:half], big[half:]]
+    return batches
+
+
+class LengthGroupedBatchSampler:
+    """Yields lists of row indices; one pass over the rows per epoch, every row exactly once.
+
+    With `bucketing`, rows are shuffled, cut into mega-batches of `batch_size *
+    MEGA_BATCH_MULT`, each sorted by length and cut into batches, and the batch order is
+    shuffled with the longest batch moved first. Without it, batches are a plain random
+    permutation (the fixed-padding baseline). With `num_replicas > 1`, each rank takes
+    every `num_replicas`-th batch; the batch count is made divisible by the rank count by
+    splitting the largest batches, so ranks run the same number of steps.
+    """
+
+    def __init__(
+        self,
+        lengths: np.ndarray,
+        batch_size: int,
+        *,
+        bucketing: bool = True,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ) -> None:
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is outside 0..{num_replicas - 1}")
+        self.lengths = np.asarray(lengths)
+        self.batch_size = batch_size
+        self.bucketing = bucketing
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order `__iter__` yields (call before each epoch)."""
+        self.epoch = epoch
+
+    def global_batches(self, epoch: int) -> list[list[int]]:
+        """All ranks' batches for `epoch`, deterministic in (seed, epoch)."""
+        rng = np.random.default_rng([self.seed, epoch])
+        n = len(self.lengths)
+        order = rng.permutation(n) if self.shuffle else np.arange(n)
+        if self.bucketing:
+            mega = self.batch_size * MEGA_BATCH_MULT
+            # Stable sort, longest first, so ties keep the shuffled order.
+            order = np.concatenate(
+                [chunk[np.argsort(-self.lengths[chunk], kind="stable")] for chunk in np.split(order, range(mega, n, mega))]
+            ) if n else order
+        batches = [order[i : i + self.batch_size].tolist() for i in range(0, n, self.batch_size)]
+        if self.drop_last and batches and len(batches[-1]) < self.batch_size:
+            batches.pop()
+        if self.bucketing and self.shuffle and len(batches) > 1:
+            perm = rng.permutation(len(batches))
+            batches = [batches[i] for i in perm]
+            longest = max(range(len(batches)), key=lambda i: int(self.lengths[batches[i]].max()))
+            batches.insert(0, batches.pop(longest))
+        remainder = len(batches) % self.num_replicas
+        if remainder:
+            if self.drop_last:
+                batches = batches[: len(batches) - remainder]
+            else:
+                batches = _split_largest(batches, self.num_replicas - remainder)
+        return batches
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        """This rank's batches for `epoch`."""
+        return self.global_batches(epoch)[self.rank :: self.num_replicas]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches(self.epoch))
+
+    def __len__(self) -> int:
+        return len(self.batches(self.epoch))
+
+
+def padded_length(longest: int, pad_to_multiple_of: int | None) -> int:
+    """The length a batch is padded to: its longest row, rounded up to the multiple."""
+    if pad_to_multiple_of:
+        longest = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
+    return longest
+
+
+class PadCollator:
+    """Builds a padded batch (input_ids, attention_mask, labels) from row indices.
+
+    Used as the DataLoader's dataset *and* collate function: `__getitem__` returns the
+    index itself, so workers only slice the memory-mapped arrays in `__call__`.
+    """
+
+    def __init__(self, split: TokenizedSplit, pad_id: int, *, fixed_length: int | None, pad_to_multiple_of: int | None):
+        self.input_ids = split.input_ids
+        self.lengths = split.lengths
+        self.offsets = split.offsets
+        self.labels = split.labels
+        self.pad_id = pad_id
+        self.fixed_length = fixed_length
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+    def __call__(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        idx = np.asarray(indices)
+        lengths = self.lengths[idx]
+        width = self.fixed_length or padded_length(int(lengths.max()), self.pad_to_multiple_of)
+        ids = np.full((len(idx), width), self.pad_id, dtype=np.int64)
+        for row, (start, length) in enumerate(zip(self.offsets[idx], lengths, strict=True)):
+            ids[row, :length] = self.input_ids[start : start + length]
+        mask = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
+        return {
+            "input_ids": torch.from_numpy(ids),
+            "attention_mask": torch.from_numpy(mask),
+            "labels": torch.from_numpy(self.labels[idx].astype(np.int64)),
+            "row_index": torch.from_numpy(idx.astype(np.int64)),
+            "num_tokens": torch.tensor(int(lengths.sum())),
+        }
+
+
+def padding_fraction(lengths: np.ndarray, batches: list[list[int]], width_of: Callable[[int], int]) -> float:
+    """Share of padded positions over all batches, given each batch's padded width."""
+    real = padded = 0
+    for batch in batches:
+        lens = lengths[batch]
+        real += int(lens.sum())
+        padded += width_of(int(lens.max())) * len(batch)
+    return 1.0 - real / padded if padded else 0.0

@@ -1,0 +1,70 @@
+"""The tokenize stage's work: read, split, tokenize, store, and measure padding."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipelines.data.batching import LengthGroupedBatchSampler, padded_length, padding_fraction
+from pipelines.data.sources import SPLITS, load_splits
+from pipelines.data.tokenization import (
+    LABELS_FILE,
+    TOKENIZER_DIR,
+    TokenizedSplit,
+    encode_texts,
+    join_texts,
+    label_names,
+    load_pretrained_tokenizer,
+    train_wordpiece_tokenizer,
+)
+from pipelines.params import Params
+
+
+def length_stats(lengths: np.ndarray, max_length: int, batch_size: int, bucketing: bool, pad_to: int | None, seed: int) -> dict[str, float]:
+    """Length percentiles and the padding fraction of configured vs fixed batching (0..1)."""
+    sampler = LengthGroupedBatchSampler(lengths, batch_size, bucketing=bucketing, seed=seed)
+    batches = sampler.batches(0)
+    configured = padding_fraction(
+        lengths, batches, (lambda longest: padded_length(longest, pad_to)) if bucketing else (lambda _: max_length)
+    )
+    fixed = padding_fraction(lengths, batches, lambda _: max_length)
+    return {
+        "length_p50": float(np.percentile(lengths, 50)),
+        "length_p90": float(np.percentile(lengths, 90)),
+        "length_p99": float(np.percentile(lengths, 99)),
+        "length_max": int(lengths.max()),
+        "pad_fraction_configured": round(configured, 6),
+        "pad_fraction_fixed": round(fixed, 6),
+    }
+
+
+def prepare_dataset(params: Params, root: Path, out_dir: Path) -> dict[str, Any]:
+    """Write tokenized splits, the tokenizer and the label map into `out_dir`; return the stats."""
+    data = params.data
+    splits = load_splits(data, params.seed, root)
+    names = label_names(splits["train"]["label"])
+    label_ids = {name: i for i, name in enumerate(names)}
+    if params.model.name_or_path is None:
+        train_texts = join_texts(splits["train"]["texts"].tolist(), "[SEP]")
+        tokenizer = train_wordpiece_tokenizer(train_texts, params.model.config.vocab_size)
+    else:
+        tokenizer = load_pretrained_tokenizer(params.model, root)
+    tokenizer.save_pretrained(out_dir / TOKENIZER_DIR)
+    (out_dir / LABELS_FILE).write_text(json.dumps({"names": names}, indent=2) + "\n", encoding="utf-8")
+
+    stats: dict[str, Any] = {"num_labels": len(names)}
+    for split in SPLITS:
+        table = splits[split]
+        texts = join_texts(table["texts"].tolist(), tokenizer.sep_token or "[SEP]")
+        ids, lengths, truncated = encode_texts(tokenizer, texts, data.max_length, data.num_proc)
+        labels = table["label"].map(label_ids).to_numpy(dtype=np.int64)
+        TokenizedSplit(ids, lengths, labels).save(out_dir / split)
+        stats[split] = {
+            "rows": len(table),
+            "truncated_fraction": round(truncated / len(table), 6),
+            **length_stats(lengths, data.max_length, params.batch_size, data.bucketing, data.pad_to_multiple_of, params.seed),
+        }
+    return stats

@@ -1,0 +1,142 @@
+"""Read a data source into train/validation/test tables of (text, label) rows.
+
+Sources: the built-in generator, a local .csv/.jsonl/.parquet file, a folder of
+train/validation/test files, or a Hugging Face hub dataset id. Every check that can
+fail on user data does so here, naming the file, column or value.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+from sklearn.model_selection import train_test_split
+
+from pipelines.data.synthetic import generate_corpus
+from pipelines.errors import UserError
+from pipelines.params import GENERATOR_SOURCE, DataParams
+
+SPLITS = ("train", "validation", "test")
+_SUFFIXES = (".csv", ".jsonl", ".json", ".parquet")
+# Accepted spellings of split file names in a folder source, in order of preference.
+_SPLIT_ALIASES = {"train": ("train",), "validation": ("validation", "valid", "val", "dev"), "test": ("test",)}
+
+
+class DataError(UserError):
+    """The data source cannot be used as it is."""
+
+
+def _read_table(path: Path) -> pd.DataFrame:
+    try:
+        if path.suffix == ".csv":
+            return pd.read_csv(path, encoding="utf-8", keep_default_na=False)
+        if path.suffix in (".jsonl", ".json"):
+            return pd.read_json(path, lines=path.suffix == ".jsonl", encoding="utf-8")
+        return pd.read_parquet(path)
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: not valid UTF-8 (byte {err.start}: {err.reason}); re-encode the file as UTF-8") from None
+    except (ValueError, OSError, pd.errors.ParserError) as err:
+        raise DataError(f"{path}: cannot be read as {path.suffix[1:]}: {err}") from None
+
+
+def _find_split_file(folder: Path, split: str) -> Path | None:
+    for alias in _SPLIT_ALIASES[split]:
+        for suffix in _SUFFIXES:
+            candidate = folder / f"{alias}{suffix}"
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def _load_hub(dataset_id: str) -> dict[str, pd.DataFrame]:
+    import datasets  # deferred: only hub sources need it
+
+    try:
+        loaded = datasets.load_dataset(dataset_id)
+    except Exception as err:  # noqa: BLE001 - the hub client raises many kinds; all mean "not available"
+        raise DataError(
+            f"data.source = {dataset_id!r}: not a local file or folder, and the hub dataset could not be "
+            f"loaded ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+        ) from None
+    tables = {}
+    for split in SPLITS:
+        for alias in _SPLIT_ALIASES[split]:
+            if alias in loaded:
+                tables[split] = loaded[alias].to_pandas()
+                break
+    return tables
+
+
+def read_source(data: DataParams, root: Path) -> dict[str, pd.DataFrame]:
+    """Read the raw tables the source provides (some splits may be missing)."""
+    if data.source == GENERATOR_SOURCE:
+        return {"train": generate_corpus(data.generator)}
+    path = Path(data.source)
+    path = path if path.is_absolute() else root / path
+    if path.is_dir():
+        tables = {s: _read_table(f) for s in SPLITS if (f := _find_split_file(path, s)) is not None}
+        if "train" not in tables:
+            raise DataError(f"data.source = {data.source!r}: folder has no train file (train.csv, train.jsonl or train.parquet)")
+        return tables
+    looks_local = path.suffix in _SUFFIXES or data.source.startswith((".", "/", "~"))
+    if looks_local or path.exists():
+        if not path.is_file():
+            raise DataError(f"data.source = {data.source!r}: file not found ({path})")
+        return {"train": _read_table(path)}
+    return _load_hub(data.source)
+
+
+def _text_columns(data: DataParams) -> list[str]:
+    return [data.text_column] if isinstance(data.text_column, str) else list(data.text_column)
+
+
+def normalize_table(table: pd.DataFrame, data: DataParams, where: str) -> pd.DataFrame:
+    """Check the columns and rows of one split; return columns `text` (joined) and `label` (str)."""
+    wanted = _text_columns(data) + [data.label_column]
+    missing = [c for c in wanted if c not in table.columns]
+    if missing:
+        raise DataError(f"{where}: missing column(s) {missing}; columns present: {list(table.columns)}")
+    if table.empty:
+        raise DataError(f"{where}: the split is empty")
+    texts = table[_text_columns(data)].astype(str)
+    empty = (texts.apply(lambda col: col.str.strip() == "")).all(axis=1)
+    if empty.any():
+        row = int(empty.to_numpy().nonzero()[0][0])
+        raise DataError(f"{where}: row {row} has an empty text in {_text_columns(data)}; drop or fill such rows")
+    labels = table[data.label_column]
+    if labels.isna().any() or (labels.astype(str).str.strip() == "").any():
+        row = int((labels.isna() | (labels.astype(str).str.strip() == "")).to_numpy().nonzero()[0][0])
+        raise DataError(f"{where}: row {row} has no label in column {data.label_column!r}")
+    return pd.DataFrame({"texts": list(texts.itertuples(index=False, name=None)), "label": labels.astype(str)})
+
+
+def make_splits(tables: dict[str, pd.DataFrame], data: DataParams, seed: int) -> dict[str, pd.DataFrame]:
+    """Use the source's own splits; carve missing ones out of train, stratified and seeded."""
+    train = tables["train"].reset_index(drop=True)
+    out = {}
+    for split, fraction in (("test", data.test_fraction), ("validation", data.val_fraction)):
+        if split in tables:
+            out[split] = tables[split].reset_index(drop=True)
+            continue
+        share = fraction / (1.0 - (data.test_fraction if split == "validation" and "test" not in tables else 0.0))
+        counts = train["label"].value_counts()
+        stratify = train["label"] if counts.min() >= 2 else None
+        train, held = train_test_split(train, test_size=share, random_state=seed, stratify=stratify)
+        out[split] = held.sort_index().reset_index(drop=True)
+        train = train.sort_index()
+    out["train"] = train.reset_index(drop=True)
+    for split in SPLITS:
+        if out[split].empty:
+            raise DataError(f"split {split!r} is empty; lower data.val_fraction/test_fraction or add rows")
+    unseen = sorted((set(out["validation"]["label"]) | set(out["test"]["label"])) - set(out["train"]["label"]))
+    if unseen:
+        raise DataError(f"label(s) {unseen} occur in validation/test but never in train; the model cannot learn them")
+    return {s: out[s] for s in SPLITS}
+
+
+def load_splits(data: DataParams, seed: int, root: Path) -> dict[str, pd.DataFrame]:
+    """Read the source, check every split, and return train/validation/test tables."""
+    raw = read_source(data, root)
+    names = {s: f"data.source {data.source!r}, split {s!r}" for s in raw}
+    tables = {s: normalize_table(t, data, names[s]) for s, t in raw.items()}
+    return make_splits(tables, data, seed)

@@ -1,0 +1,68 @@
+"""A deterministic synthetic topic-classification corpus, so the defaults run offline.
+
+The words are invented (syllable strings), not taken from any public dataset. Each row
+mixes words of its own topic, "confuser" words of other topics and shared filler
+words, with a per-row topic strength: some rows are easy, some nearly hopeless, and a
+small share of labels is noise. Lengths are spread out (log-normal) so that padding
+waste, and therefore length bucketing, matters as it does on real text.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from pipelines.params import GeneratorParams
+
+TOPICS = ("orbital", "culinary", "markets", "athletics", "botany", "maritime", "music", "medicine")
+_SYLLABLES = (
+    "ka", "lo", "mi", "ser", "tun", "va", "rei", "dos", "pra", "nel", "qui", "zor", "bel", "fa", "gri",
+    "hov", "ix", "jen", "kra", "lum", "mor", "nis", "ost", "pel", "ru", "sta", "tor", "ul", "wen", "yas",
+)
+# The corpus is fixed for given generator settings; `seed` in params shapes splits and training only.
+_CORPUS_SEED = 20_240_601
+_WORDS_PER_TOPIC = 40
+_FILLER_WORDS = 400
+
+
+def _invent_words(rng: np.random.Generator, count: int, taken: set[str]) -> list[str]:
+    words: list[str] = []
+    while len(words) < count:
+        word = "".join(rng.choice(_SYLLABLES, size=rng.integers(2, 4)))
+        if word not in taken:
+            taken.add(word)
+            words.append(word)
+    return words
+
+
+def _zipf_weights(n: int) -> np.ndarray:
+    weights = 1.0 / np.arange(1, n + 1)
+    return weights / weights.sum()
+
+
+def generate_corpus(settings: GeneratorParams) -> pd.DataFrame:
+    """Return `settings.num_rows` rows with columns `text` and `label` (topic names)."""
+    rng = np.random.default_rng(_CORPUS_SEED)
+    taken: set[str] = set()
+    topics = TOPICS[: settings.num_classes]
+    topic_words = {topic: _invent_words(rng, _WORDS_PER_TOPIC, taken) for topic in topics}
+    filler = _invent_words(rng, _FILLER_WORDS, taken)
+    topic_p, filler_p = _zipf_weights(_WORDS_PER_TOPIC), _zipf_weights(_FILLER_WORDS)
+
+    texts: list[str] = []
+    labels: list[str] = []
+    for _ in range(settings.num_rows):
+        topic = topics[rng.integers(len(topics))]
+        length = int(np.clip(rng.lognormal(np.log(20), 0.6), 4, 200))
+        strength = rng.uniform(0.02, 0.3)  # share of words that carry the topic
+        confusion = rng.uniform(0.0, 0.15)  # share of words borrowed from other topics
+        kind = rng.random(length)
+        words = rng.choice(filler, size=length, p=filler_p).tolist()
+        for i in np.flatnonzero(kind < strength):
+            words[i] = rng.choice(topic_words[topic], p=topic_p)
+        for i in np.flatnonzero((kind >= strength) & (kind < strength + confusion)):
+            other = topics[rng.integers(len(topics))]
+            words[i] = rng.choice(topic_words[other], p=topic_p)
+        texts.append(" ".join(words) + ".")
+        labels.append(topics[rng.integers(len(topics))] if rng.random() < settings.label_noise else topic)
+    return pd.DataFrame({"text": texts, "label": labels})

@@ -1,0 +1,144 @@
+"""Tokenize splits into compact arrays, and read them back for training.
+
+Each split is stored as three `.npy` files: every row's token ids concatenated
+(int32), each row's length, and each row's label id. `np.save` writes the same bytes
+for the same arrays (unlike `np.savez`, whose zip entries carry timestamps), so
+DVC's cache holds across re-runs, and training reads the arrays memory-mapped with no
+per-row Python objects.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from pipelines.errors import UserError
+from pipelines.params import ModelParams
+
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+TOKENIZER_DIR = "tokenizer"
+LABELS_FILE = "labels.json"
+
+
+def train_wordpiece_tokenizer(texts: Sequence[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Train a BERT-style WordPiece tokenizer on `texts` (used when no pretrained model is named)."""
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+    )
+
+
+def load_pretrained_tokenizer(model: ModelParams, root: Path) -> PreTrainedTokenizerBase:
+    """Load the named model's fast tokenizer from a local folder or the hub."""
+    assert model.name_or_path is not None
+    local = Path(model.name_or_path)
+    local = local if local.is_absolute() else root / local
+    name = str(local) if local.exists() else model.name_or_path
+    try:
+        return AutoTokenizer.from_pretrained(name, use_fast=True, trust_remote_code=model.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise UserError(
+            f"model.name_or_path = {model.name_or_path!r}: no local model folder there, and the hub "
+            f"could not provide it ({str(err).splitlines()[0]})"
+        ) from None
+
+
+def join_texts(rows: Sequence[tuple[str, ...]], separator: str) -> list[str]:
+    """Join several text columns into one string per row with the tokenizer's separator."""
+    return [row[0] if len(row) == 1 else f" {separator} ".join(row) for row in rows]
+
+
+def _encode_chunk(args: tuple[PreTrainedTokenizerBase, list[str], int]) -> list[list[int]]:
+    tokenizer, texts, max_length = args
+    return tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
+
+
+def encode_texts(
+    tokenizer: PreTrainedTokenizerBase, texts: list[str], max_length: int, num_proc: int = 1
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Return (flat int32 token ids, int32 lengths, rows truncated) for `texts`."""
+    untruncated_limit = max_length + 1  # one more token tells us whether truncation happened
+    chunk = 2048
+    jobs = [(tokenizer, texts[i : i + chunk], untruncated_limit) for i in range(0, len(texts), chunk)]
+    if num_proc > 1 and len(jobs) > 1:
+        with get_context("spawn").Pool(num_proc) as pool:
+            encoded = [ids for part in pool.map(_encode_chunk, jobs) for ids in part]
+    else:
+        encoded = [ids for job in jobs for ids in _encode_chunk(job)]
+    truncated = sum(len(ids) > max_length for ids in encoded)
+    if truncated:
+        # Re-encode the long rows with the real limit so special tokens ([SEP]) stay at the end.
+        long_rows = [i for i, ids in enumerate(encoded) if len(ids) > max_length]
+        redone = _encode_chunk((tokenizer, [texts[i] for i in long_rows], max_length))
+        for i, ids in zip(long_rows, redone, strict=True):
+            encoded[i] = ids
+    lengths = np.fromiter((len(ids) for ids in encoded), dtype=np.int32, count=len(encoded))
+    flat = np.fromiter((t for ids in encoded for t in ids), dtype=np.int32, count=int(lengths.sum()))
+    return flat, lengths, truncated
+
+
+def label_names(train_labels: pd.Series) -> list[str]:
+    """Sorted label names; numeric labels sort as numbers (so "10" comes after "9")."""
+    names = sorted(set(train_labels))
+    if all(n.lstrip("-").isdigit() for n in names):
+        names.sort(key=int)
+    return names
+
+
+@dataclass(frozen=True)
+class TokenizedSplit:
+    """One split as flat token ids plus per-row offsets, lengths and label ids."""
+
+    input_ids: np.ndarray
+    lengths: np.ndarray
+    labels: np.ndarray
+
+    @property
+    def offsets(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)[:-1]])
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def save(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        np.save(folder / "input_ids.npy", self.input_ids)
+        np.save(folder / "lengths.npy", self.lengths)
+        np.save(folder / "labels.npy", self.labels)
+
+    @classmethod
+    def load(cls, folder: Path) -> TokenizedSplit:
+        if not (folder / "lengths.npy").is_file():
+            raise UserError(f"{folder}: no tokenized split there; run the tokenize stage first (dvc repro tokenize)")
+        return cls(
+            input_ids=np.load(folder / "input_ids.npy", mmap_mode="r"),
+            lengths=np.load(folder / "lengths.npy"),
+            labels=np.load(folder / "labels.npy"),
+        )
+
+
+def load_label_names(tokenized_dir: Path) -> list[str]:
+    """The label names saved beside the tokenized data, in label-id order."""
+    return json.loads((tokenized_dir / LABELS_FILE).read_text(encoding="utf-8"))["names"]

@@ -1,0 +1,55 @@
+"""Build the classifier: a small BERT from a config, or a pretrained model by name or folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification, PreTrainedModel
+
+from pipelines.errors import UserError
+from pipelines.params import ModelParams
+
+
+def build_model(model: ModelParams, label_names: list[str], vocab_size: int, max_length: int, root: Path) -> PreTrainedModel:
+    """Return a sequence classifier with `len(label_names)` outputs and named labels."""
+    id2label = dict(enumerate(label_names))
+    label2id = {name: i for i, name in id2label.items()}
+    if model.name_or_path is None:
+        cfg = model.config
+        config = BertConfig(
+            vocab_size=vocab_size,
+            hidden_size=cfg.hidden_size,
+            num_hidden_layers=cfg.num_hidden_layers,
+            num_attention_heads=cfg.num_attention_heads,
+            intermediate_size=cfg.intermediate_size,
+            hidden_dropout_prob=cfg.dropout,
+            attention_probs_dropout_prob=cfg.dropout,
+            max_position_embeddings=max(512, max_length),
+            num_labels=len(label_names),
+            id2label=id2label,
+            label2id=label2id,
+        )
+        return BertForSequenceClassification(config)
+    local = Path(model.name_or_path)
+    local = local if local.is_absolute() else root / local
+    name = str(local) if local.exists() else model.name_or_path
+    try:
+        return AutoModelForSequenceClassification.from_pretrained(
+            name,
+            num_labels=len(label_names),
+            id2label=id2label,
+            label2id=label2id,
+            trust_remote_code=model.trust_remote_code,
+            dtype=torch.float32,  # master weights stay fp32; autocast handles mixed precision
+        )
+    except (OSError, ValueError) as err:
+        raise UserError(
+            f"model.name_or_path = {model.name_or_path!r}: cannot load a model from a local folder or the hub "
+            f"({str(err).splitlines()[0]})"
+        ) from None
+
+
+def load_trained(folder: Path) -> PreTrainedModel:
+    """Load a fine-tuned model folder written by `save_pretrained` (safetensors)."""
+    return AutoModelForSequenceClassification.from_pretrained(str(folder), dtype=torch.float32)

@@ -1,0 +1,280 @@
+"""The one strict schema for `params.yaml`.
+
+Every stage loads the whole file through `load_params` before doing any work, so a
+typo or a bad value fails in about a second with the key path, the bad value and
+what is allowed. This module imports only pydantic and PyYAML on purpose: it must
+not pay for torch or Ray before it has said no.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
+
+from pipelines.errors import UserError
+
+Optimizer = Literal["adamw", "adafactor", "adamw_8bit", "sgd"]
+Precision = Literal["fp32", "fp16", "bf16", "auto"]
+LrSchedule = Literal["constant", "linear", "cosine", "onecycle", "cyclic"]
+DeviceName = Literal["auto", "cpu", "cuda"]
+
+GENERATOR_SOURCE = "generator"
+
+
+class StrictModel(BaseModel):
+    """Base for every params section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class GeneratorParams(StrictModel):
+    """The built-in synthetic topic corpus (used when `data.source` is `generator`)."""
+
+    num_rows: PositiveInt = Field(6000, ge=100, description="Rows generated in total, before splitting.")
+    num_classes: int = Field(4, ge=2, le=8, description="Number of topics (classes), 2 to 8.")
+    label_noise: float = Field(
+        0.03, ge=0.0, lt=0.5, description="Fraction of rows whose label is replaced by a random topic."
+    )
+
+
+class DataParams(StrictModel):
+    """Where the rows come from and how they are tokenized and batched."""
+
+    source: str = Field(
+        GENERATOR_SOURCE,
+        description=(
+            "`generator` (built-in corpus), a local .csv/.jsonl/.parquet file, a folder holding "
+            "train/validation/test files, or a Hugging Face hub dataset id."
+        ),
+    )
+    generator: GeneratorParams = Field(default_factory=GeneratorParams, description="Settings of the built-in corpus.")
+    text_column: str | list[str] = Field(
+        "text", description="Text column, or a list of columns joined with the tokenizer's separator."
+    )
+    label_column: str = Field("label", description="Label column (strings or integers).")
+    max_length: int = Field(64, ge=8, le=8192, description="Tokens per row after truncation.")
+    bucketing: bool = Field(
+        True, description="Length-grouped batches padded to their longest row (false: pad to max_length, random batches)."
+    )
+    pad_to_multiple_of: PositiveInt | None = Field(
+        8, description="Round each batch's padded length up to a multiple of this (tensor-core friendly); null for none."
+    )
+    val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Validation share when the source has no validation split.")
+    test_fraction: float = Field(0.2, gt=0.0, lt=0.5, description="Test share when the source has no test split.")
+    num_proc: PositiveInt = Field(1, description="Processes used for tokenization.")
+
+    @model_validator(mode="after")
+    def _fractions_leave_training_rows(self) -> DataParams:
+        if self.val_fraction + self.test_fraction >= 0.8:
+            raise ValueError(
+                f"data.val_fraction + data.test_fraction = {self.val_fraction + self.test_fraction:g} "
+                "leaves too few training rows; keep the sum below 0.8"
+            )
+        return self
+
+
+class ModelConfigParams(StrictModel):
+    """A small BERT-style classifier built from a config (used when `model.name_or_path` is null)."""
+
+    vocab_size: int = Field(2000, ge=100, le=100_000, description="Vocabulary of the tokenizer trained on the data.")
+    hidden_size: PositiveInt = Field(64, description="Width of the hidden states.")
+    num_hidden_layers: PositiveInt = Field(2, description="Transformer layers.")
+    num_attention_heads: PositiveInt = Field(2, description="Attention heads; must divide hidden_size.")
+    intermediate_size: PositiveInt = Field(128, description="Width of the feed-forward layer.")
+    dropout: float = Field(0.1, ge=0.0, lt=1.0, description="Dropout on hidden states and attention.")
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ModelConfigParams:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"model.config.hidden_size ({self.hidden_size}) must be divisible by "
+                f"model.config.num_attention_heads ({self.num_attention_heads})"
+            )
+        return self
+
+
+class ModelParams(StrictModel):
+    """Which model is fine-tuned."""
+
+    name_or_path: str | None = Field(
+        None, description="Hub model id or local folder; null builds `model.config` with a tokenizer trained on the data."
+    )
+    config: ModelConfigParams = Field(default_factory=ModelConfigParams, description="Used when name_or_path is null.")
+    trust_remote_code: bool = Field(False, description="Allow a hub model to run its own code (off unless you trust it).")
+
+
+class TuneParams(StrictModel):
+    """How the train stage runs its Ray Tune trials."""
+
+    num_samples: PositiveInt = Field(1, description="Trials per variant (more than one repeats it with new seeds).")
+    variants: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Named override sets by dotted key, run as a grid, e.g. {vanilla: {}, bf16: {precision: bf16}}.",
+    )
+    max_concurrent_trials: PositiveInt = Field(1, description="Trials running at the same time.")
+    metric: str = Field("val_accuracy", description="Trial metric that picks the best trial.")
+    mode: Literal["max", "min"] = Field("max", description="Whether the metric is maximised or minimised.")
+
+
+class TrackingParams(StrictModel):
+    """Where runs are recorded."""
+
+    uri: str = Field(
+        "sqlite:///mlflow.db",
+        description="MLflow tracking URI; relative sqlite/file paths resolve against the repository root.",
+    )
+    experiment: str = Field("finetune", min_length=1, description="MLflow experiment name.")
+
+
+class Params(StrictModel):
+    """Everything a pipeline run reads: training knobs at the top, one section per concern."""
+
+    optim: Optimizer = Field("adamw", description="Optimizer.")
+    precision: Precision = Field("fp32", description="fp32, fp16 (autocast + loss scaling), bf16 (autocast), or auto.")
+    batch_size: PositiveInt = Field(32, description="Rows per micro-batch.")
+    grad_accum_steps: PositiveInt = Field(1, description="Micro-batches accumulated per optimizer step.")
+    grad_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    lr: PositiveFloat = Field(1e-3, lt=1.0, description="Peak learning rate.")
+    epochs: PositiveInt = Field(3, description="Passes over the training split.")
+    seed: int = Field(42, ge=0, description="Seed for data splits, shuffling and initialisation.")
+    lr_schedule: LrSchedule = Field("linear", description="Learning-rate schedule.")
+    warmup_ratio: float = Field(0.1, ge=0.0, lt=1.0, description="Share of optimizer steps spent warming up.")
+    weight_decay: NonNegativeFloat = Field(0.01, description="Decoupled weight decay (not on biases and norms).")
+    max_grad_norm: PositiveFloat | None = Field(1.0, description="Clip the global gradient norm to this; null to skip.")
+    device: DeviceName = Field("auto", description="auto picks CUDA when present, else CPU.")
+    num_workers: NonNegativeInt = Field(0, description="DataLoader worker processes.")
+    pin_memory: bool = Field(True, description="Pin host batches for faster, non-blocking copies (CUDA only).")
+    compile: bool = Field(False, description="torch.compile the model.")
+    log_every_n_steps: PositiveInt = Field(10, description="Optimizer steps between logged loss/lr points.")
+    data: DataParams = Field(default_factory=DataParams, description="Data source, tokenization, batching.")
+    model: ModelParams = Field(default_factory=ModelParams, description="The model fine-tuned.")
+    tune: TuneParams = Field(default_factory=TuneParams, description="Ray Tune trials.")
+    tracking: TrackingParams = Field(default_factory=TrackingParams, description="MLflow tracking.")
+
+    @model_validator(mode="after")
+    def _variants_are_valid(self) -> Params:
+        # Validate every variant now, so a bad override fails before the first trial starts.
+        for name, overrides in self.tune.variants.items():
+            for key in overrides:
+                if key.split(".")[0] in ("tune", "tracking"):
+                    raise ValueError(
+                        f"tune.variants.{name}: key {key!r} cannot be overridden per trial "
+                        "(tune and tracking settings are shared by all trials)"
+                    )
+            try:
+                apply_overrides(self.model_copy(update={"tune": TuneParams()}), overrides)
+            except ParamsError as err:
+                raise ValueError(f"tune.variants.{name}: {err}") from None
+        return self
+
+
+class ParamsError(UserError):
+    """params.yaml (or an override) is not valid."""
+
+
+def _describe_error(err: Mapping[str, Any]) -> str:
+    loc = ".".join(str(part) for part in err["loc"]) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        return f"{loc}: unknown key (check the spelling; see the params reference in README.md)"
+    if err["type"] == "missing":
+        return f"{loc}: required key is missing"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "value_error":
+        # Our own cross-field rules already name their keys and values.
+        return f"{loc}: {msg}" if err["loc"] else msg
+    return f"{loc} = {err['input']!r}: {msg}"
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    """One line per problem: key path, bad value, what is allowed."""
+    lines = [f"{source} is invalid:"]
+    lines += [f"  - {_describe_error(e)}" for e in err.errors()]
+    return "\n".join(lines)
+
+
+def parse_params(raw: Mapping[str, Any] | None, source: str = "params.yaml") -> Params:
+    """Validate a mapping (e.g. parsed YAML) into `Params`, raising `ParamsError` with readable lines."""
+    try:
+        return Params.model_validate(raw or {})
+    except ValidationError as err:
+        raise ParamsError(format_validation_error(err, source)) from None
+
+
+def load_params(path: str | os.PathLike[str] = "params.yaml") -> Params:
+    """Read and validate a params file; every failure is a `ParamsError` naming the file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ParamsError(f"{path}: file not found (run from the repository root)") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ParamsError(f"{path}: cannot be read: {err}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ParamsError(f"{path}: not valid YAML: {err}") from None
+    if raw is not None and not isinstance(raw, dict):
+        raise ParamsError(f"{path}: the top level must be a mapping of keys, got {type(raw).__name__}")
+    return parse_params(raw, str(path))
+
+
+def set_dotted(tree: dict[str, Any], dotted_key: str, value: Any) -> None:
+    """Set `tree["a"]["b"] = value` for `dotted_key="a.b"`, creating sections as needed."""
+    *parents, leaf = dotted_key.split(".")
+    node = tree
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ParamsError(f"override {dotted_key!r}: {part!r} is a value, not a section")
+        node = child
+    node[leaf] = value
+
+
+def apply_overrides(params: Params, overrides: Mapping[str, Any], source: str = "overrides") -> Params:
+    """Return a new, re-validated `Params` with dotted-key overrides merged in."""
+    tree = copy.deepcopy(params.model_dump(mode="python"))
+    for key, value in overrides.items():
+        set_dotted(tree, key, value)
+    return parse_params(tree, source)
+
+
+def flatten_params(params: Params) -> dict[str, Any]:
+    """Flatten to dotted keys (`data.max_length`); variants are logged as one JSON-ish string."""
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict) and not prefix.endswith("variants"):
+            for key, value in node.items():
+                walk(f"{prefix}.{key}" if prefix else key, value)
+        else:
+            flat[prefix] = node
+
+    walk("", params.model_dump(mode="json"))
+    return flat
+
+
+def resolve_repo_root(params_path: str | os.PathLike[str] = "params.yaml") -> Path:
+    """The repository whose MLflow store and results the run uses.
+
+    DVC sets `DVC_ROOT` for every stage and points it at the original repository even
+    when a queued experiment runs in a temporary copy, so runs from `dvc exp run --queue`
+    land in the same store as runs from the workspace.
+    """
+    root = os.environ.get("DVC_ROOT")
+    return Path(root).resolve() if root else Path(params_path).resolve().parent

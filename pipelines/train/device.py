@@ -1,0 +1,59 @@
+"""Pick the device and the precision the run can really use, or say why not before training."""
+
+from __future__ import annotations
+
+import importlib.util
+from contextlib import AbstractContextManager, nullcontext
+from typing import Literal
+
+import torch
+
+from pipelines.errors import UserError
+from pipelines.params import Params
+
+ResolvedPrecision = Literal["fp32", "fp16", "bf16"]
+
+
+def resolve_device(params: Params) -> torch.device:
+    """`auto` is CUDA when present, else CPU; `cuda` without CUDA is a user error."""
+    if params.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("device = 'cuda' but no CUDA device is visible; use device: auto or cpu")
+    if params.device == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda")
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True on CPUs with AVX512-BF16 or AMX, where bf16 matmuls run natively."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return capability in ("AVX512_BF16", "AMX") or "AMX" in capability
+
+
+def resolve_precision(params: Params, device: torch.device) -> ResolvedPrecision:
+    """Turn `auto` into a concrete precision for this device; reject what it can't run."""
+    if params.precision == "auto":
+        if device.type == "cuda":
+            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return "bf16" if cpu_has_fast_bf16() else "fp32"
+    if params.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise UserError("precision = 'bf16' but this GPU has no bf16 support (pre-Ampere); use fp16 or fp32")
+    return params.precision
+
+
+def check_runtime(params: Params) -> None:
+    """Reject choices this machine cannot run, before any data is read or model built."""
+    device = resolve_device(params)
+    resolve_precision(params, device)
+    if params.optim == "adamw_8bit":
+        if device.type != "cuda":
+            raise UserError("optim = 'adamw_8bit' needs CUDA (bitsandbytes); allowed here: adamw, adafactor, sgd")
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise UserError("optim = 'adamw_8bit' needs the bitsandbytes package: pip install bitsandbytes")
+
+
+def autocast_context(precision: ResolvedPrecision, device: torch.device) -> AbstractContextManager[object]:
+    """Autocast for fp16/bf16; a no-op context for fp32 (nanoGPT's pattern)."""
+    if precision == "fp32":
+        return nullcontext()
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+    return torch.autocast(device_type=device.type, dtype=dtype)

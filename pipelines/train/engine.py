@@ -1,0 +1,247 @@
+"""The training loop every trial runs.
+
+One optimizer step is three parts (nanoGPT's shape): forward under autocast with the
+loss scaled to its share of the accumulation window; backward through the GradScaler
+(a no-op unless fp16); then unscale, clip, step, update, and zero with
+`set_to_none=True`. The window's loss is a mean over its *rows*, so k accumulated
+micro-batches give the same gradient as one batch of all their rows, also for the
+last, partial window and for bucketed batches of unequal size.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator
+from pipelines.data.tokenization import TokenizedSplit
+from pipelines.params import Params
+from pipelines.train.device import ResolvedPrecision, autocast_context
+from pipelines.train.memory import (
+    SavedActivationMeter,
+    gradient_bytes,
+    optimizer_state_bytes,
+    parameter_bytes,
+    peak_rss_bytes,
+)
+from pipelines.train.optim import build_optimizer, build_scheduler
+
+# Saved-activation hooks cost Python time per op, so they run on the first optimizer
+# step only; the sampler puts the longest batch first, so that step holds the peak.
+_ACTIVATION_MEASURE_STEPS = 1
+
+
+@dataclass
+class TrainResult:
+    """What a finished run measured: final metrics and the logged (step, loss, lr) curve."""
+
+    metrics: dict[str, float]
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+LogFn = Callable[[int, dict[str, float]], None]
+EpochFn = Callable[[int, dict[str, float]], None]
+
+
+def make_loader(
+    split: TokenizedSplit,
+    batches: list[list[int]],
+    params: Params,
+    pad_id: int,
+    device: torch.device,
+) -> DataLoader:
+    """A DataLoader over precomputed batches; pads dynamically, or to max_length without bucketing."""
+    collator = PadCollator(
+        split,
+        pad_id,
+        fixed_length=None if params.data.bucketing else params.data.max_length,
+        pad_to_multiple_of=params.data.pad_to_multiple_of,
+    )
+    workers = params.num_workers
+    return DataLoader(
+        collator,
+        batch_sampler=batches,
+        collate_fn=collator,
+        num_workers=workers,
+        pin_memory=params.pin_memory and device.type == "cuda",
+        persistent_workers=False,
+        prefetch_factor=2 if workers else None,
+    )
+
+
+def window_rows(batches: list[list[int]], accum: int) -> list[int]:
+    """Rows in each accumulation window; the last window may be partial."""
+    return [sum(len(b) for b in batches[i : i + accum]) for i in range(0, len(batches), accum)]
+
+
+def forward_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Logits of a batch already on the model's device."""
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    # non_blocking overlaps the copy with compute when the host batch is pinned.
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+@torch.inference_mode()
+def evaluate_split(
+    model: nn.Module, split: TokenizedSplit, params: Params, pad_id: int, device: torch.device, precision: ResolvedPrecision
+) -> tuple[np.ndarray, float]:
+    """Return (logits in the split's row order, mean loss), using length-bucketed batches."""
+    model.eval()
+    sampler = LengthGroupedBatchSampler(split.lengths, params.batch_size * 2, bucketing=True, shuffle=False)
+    loader = make_loader(split, sampler.batches(0), params.model_copy(update={"num_workers": 0}), pad_id, device)
+    logits = np.zeros((len(split), 0), dtype=np.float32)
+    total_loss = torch.zeros((), device=device)
+    for batch in loader:
+        batch = to_device(batch, device)
+        with autocast_context(precision, device):
+            out = forward_logits(model, batch).float()
+        total_loss += F.cross_entropy(out, batch["labels"], reduction="sum")
+        if logits.shape[1] == 0:
+            logits = np.zeros((len(split), out.shape[1]), dtype=np.float32)
+        # Scatter back by row index: bucketing reorders rows, predictions must not move.
+        logits[batch["row_index"].cpu().numpy()] = out.cpu().numpy()
+    model.train()
+    return logits, float(total_loss) / len(split)
+
+
+def _percentile_ms(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q) * 1000) if values else 0.0
+
+
+def train_model(
+    model: nn.Module,
+    train: TokenizedSplit,
+    validation: TokenizedSplit,
+    params: Params,
+    *,
+    pad_id: int,
+    device: torch.device,
+    precision: ResolvedPrecision,
+    on_log: LogFn | None = None,
+    on_epoch_end: EpochFn | None = None,
+) -> TrainResult:
+    """Train `model` in place for `params.epochs` and return what was measured."""
+    model.to(device)
+    model.train()
+    if params.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.cuda.reset_peak_memory_stats(device)
+    forward_model = torch.compile(model) if params.compile else model
+
+    sampler = LengthGroupedBatchSampler(train.lengths, params.batch_size, bucketing=params.data.bucketing, seed=params.seed)
+    accum = params.grad_accum_steps
+    steps_per_epoch = math.ceil(len(sampler.batches(0)) / accum)
+    total_steps = steps_per_epoch * params.epochs
+    optimizer = build_optimizer(params.optim, model, params.lr, params.weight_decay, device)
+    scheduler = build_scheduler(params.lr_schedule, optimizer, params.lr, total_steps, int(params.warmup_ratio * total_steps))
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    activations = SavedActivationMeter()
+
+    history: list[dict[str, float]] = []
+    step_times: list[float] = []
+    rows_seen = tokens_seen = 0
+    data_wait = 0.0
+    peak_grad_bytes = 0
+    step = 0
+    logged_loss = torch.zeros((), device=device)  # summed on device; read only at log points
+    logged_windows = 0
+    val_metrics: dict[str, float] = {}
+    start = time.perf_counter()
+    for epoch in range(params.epochs):
+        batches = sampler.batches(epoch)
+        windows = window_rows(batches, accum)
+        loader = iter(make_loader(train, batches, params, pad_id, device))
+        step_start = time.perf_counter()
+        for micro in range(len(batches)):
+            fetch = time.perf_counter()
+            batch = next(loader)
+            data_wait += time.perf_counter() - fetch
+            rows_seen += len(batch["labels"])
+            tokens_seen += int(batch["num_tokens"])
+            batch = to_device(batch, device)
+            window, last_in_window = micro // accum, (micro + 1) % accum == 0 or micro == len(batches) - 1
+
+            measure = activations.measure() if step < _ACTIVATION_MEASURE_STEPS else nullcontext()
+            with measure, autocast_context(precision, device):
+                logits = forward_logits(forward_model, batch)
+            # Sum over rows / rows in the window: every row weighs the same, whatever its micro-batch.
+            loss = F.cross_entropy(logits.float(), batch["labels"], reduction="sum") / windows[window]
+            scaler.scale(loss).backward()
+            logged_loss += loss.detach()
+            if not last_in_window:
+                continue
+
+            if params.max_grad_norm is not None:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), params.max_grad_norm)
+            if step == 0:
+                peak_grad_bytes = gradient_bytes(model)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            step += 1
+            logged_windows += 1
+            now = time.perf_counter()
+            step_times.append(now - step_start)
+            step_start = now
+            if step % params.log_every_n_steps == 0 or step == total_steps:
+                # The one host-device sync of the loop, every log_every_n_steps steps.
+                point = {"loss": float(logged_loss) / logged_windows, "lr": scheduler.get_last_lr()[0], "epoch": epoch}
+                history.append({"step": step, **point})
+                if on_log:
+                    on_log(step, point)
+                logged_loss.zero_()
+                logged_windows = 0
+
+        val_logits, val_loss = evaluate_split(model, validation, params, pad_id, device, precision)
+        val_metrics = {
+            "val_loss": val_loss,
+            "val_accuracy": float((val_logits.argmax(1) == validation.labels).mean()),
+            "epoch": epoch + 1,
+        }
+        if on_epoch_end:
+            on_epoch_end(epoch + 1, val_metrics)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    train_time = time.perf_counter() - start
+
+    metrics: dict[str, Any] = {
+        "train_time_s": train_time,
+        "samples_per_s": rows_seen / train_time,
+        "tokens_per_s": tokens_seen / train_time,
+        "step_time_p50_ms": _percentile_ms(step_times, 50),
+        "step_time_p90_ms": _percentile_ms(step_times, 90),
+        "data_wait_fraction": data_wait / train_time,
+        "optimizer_steps": step,
+        "train_loss": history[-1]["loss"] if history else float("nan"),
+        "param_bytes": parameter_bytes(model),
+        "grad_bytes": peak_grad_bytes,
+        "optimizer_state_bytes": optimizer_state_bytes(optimizer),
+        "peak_activation_bytes": activations.peak_bytes,
+        "peak_rss_bytes": peak_rss_bytes(),
+        **val_metrics,
+    }
+    if device.type == "cuda":
+        metrics["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+        metrics["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+    else:
+        metrics["peak_memory_bytes"] = metrics["peak_rss_bytes"]
+    return TrainResult(metrics={k: float(v) for k, v in metrics.items()}, history=history)

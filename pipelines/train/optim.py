@@ -1,0 +1,74 @@
+"""Optimizers and learning-rate schedules, chosen by name from a closed set."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from pipelines.errors import UserError
+from pipelines.params import LrSchedule, Optimizer as OptimizerName
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    # Biases and normalisation weights are not decayed (standard BERT fine-tuning practice).
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(name: OptimizerName, model: nn.Module, lr: float, weight_decay: float, device: torch.device) -> Optimizer:
+    """Build the named optimizer over `model`'s trainable parameters."""
+    groups = _param_groups(model, weight_decay)
+    if name == "adamw":
+        # fused runs one kernel for all parameters on CUDA; foreach batches them on CPU.
+        fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        return torch.optim.AdamW(groups, lr=lr, **fast)
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        # Fixed lr (no relative step) so the schedule controls it like the other optimizers.
+        return Adafactor(groups, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False)
+    if name == "adamw_8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise UserError("optim = 'adamw_8bit' needs bitsandbytes: pip install bitsandbytes") from None
+        return bnb.optim.AdamW8bit(groups, lr=lr)
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=0.9)
+    raise UserError(f"optim = {name!r} is not known")
+
+
+def build_scheduler(name: LrSchedule, optimizer: Optimizer, lr: float, total_steps: int, warmup_steps: int) -> LRScheduler:
+    """Build the named schedule; every schedule is stepped once per optimizer step."""
+    from transformers import (
+        get_constant_schedule_with_warmup,
+        get_cosine_schedule_with_warmup,
+        get_linear_schedule_with_warmup,
+    )
+
+    total_steps = max(total_steps, 1)
+    if name == "constant":
+        return get_constant_schedule_with_warmup(optimizer, warmup_steps)
+    if name == "linear":
+        return get_linear_schedule_with_warmup(optimizer, warmup_steps, total_steps)
+    if name == "cosine":
+        return get_cosine_schedule_with_warmup(optimizer, warmup_steps, total_steps)
+    if name == "onecycle":
+        pct = min(max(warmup_steps / total_steps, 0.01), 0.99)
+        return torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=lr, total_steps=total_steps, pct_start=pct, cycle_momentum=False
+        )
+    if name == "cyclic":
+        # Two triangular cycles over the run between lr/10 and lr.
+        return torch.optim.lr_scheduler.CyclicLR(
+            optimizer, base_lr=lr / 10, max_lr=lr, step_size_up=max(1, math.ceil(total_steps / 4)), cycle_momentum=False
+        )
+    raise UserError(f"lr_schedule = {name!r} is not known")
