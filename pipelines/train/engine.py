@@ -50,7 +50,7 @@ class TrainResult:
 
 
 LogFn = Callable[[int, dict[str, float]], None]
-EpochFn = Callable[[int, dict[str, float]], None]
+EpochFn = Callable[[int, int, dict[str, float]], None]  # (epoch, optimizer step, validation metrics)
 
 
 def make_loader(
@@ -218,7 +218,7 @@ def train_model(
             "epoch": epoch + 1,
         }
         if on_epoch_end:
-            on_epoch_end(epoch + 1, val_metrics)
+            on_epoch_end(epoch + 1, step, val_metrics)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     train_time = time.perf_counter() - start
@@ -231,7 +231,7 @@ def train_model(
         "step_time_p90_ms": _percentile_ms(step_times, 90),
         "data_wait_fraction": data_wait / train_time,
         "optimizer_steps": step,
-        "train_loss": history[-1]["loss"] if history else float("nan"),
+        "final_train_loss": history[-1]["loss"] if history else float("nan"),
         "param_bytes": parameter_bytes(model),
         "grad_bytes": peak_grad_bytes,
         "optimizer_state_bytes": optimizer_state_bytes(optimizer),

@@ -1,0 +1,135 @@
+"""One Ray Tune trial: validated params + the trial's overrides → a trained, tracked, saved model.
+
+Shaped like accelerate's `train(config, args)`: `config` is what Tune varies (the
+variant name and any sampled overrides), `TrialContext` is the infrastructure (absolute
+paths, the MLflow run tree), which never enters the search space.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from ray import tune
+from transformers import AutoTokenizer
+
+from pipelines.data.tokenization import LABELS_FILE, TOKENIZER_DIR, TokenizedSplit, load_label_names
+from pipelines.errors import UserError
+from pipelines.evaluation import evaluate_model
+from pipelines.model import build_model
+from pipelines.params import Params, apply_overrides
+from pipelines.tracking import RunLogger, environment_tags, log_params, start_run
+from pipelines.train.device import resolve_device, resolve_precision
+from pipelines.train.engine import train_model
+
+PARAMS_FILE = "params.json"
+# Marks a trial's last result. Not "done": that key is Ray Tune's own and stops the trial.
+FINAL_KEY = "final"
+
+
+@dataclass(frozen=True)
+class TrialContext:
+    """Everything a trial needs that is not a hyperparameter; all paths absolute."""
+
+    params: dict[str, Any]
+    root: str
+    variants: dict[str, dict[str, Any]]
+    tokenized_dir: str
+    staging_dir: str
+    tracking_uri: str
+    experiment_id: str
+    parent_run_id: str
+    threads: int
+    tokenize_stats: dict[str, float]
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and CUDA)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def trial_overrides(config: dict[str, Any], variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The variant's overrides, then any sampled keys (dotted) from the search space."""
+    overrides = dict(variants.get(config.get("variant", ""), {}))
+    overrides.update({k: v for k, v in config.items() if k != "variant"})
+    return overrides
+
+
+def run_trial(config: dict[str, Any], context: TrialContext) -> None:
+    """Ray Tune function trainable: train one configuration and report its metrics."""
+    from mlflow.tracking import MlflowClient
+
+    variant = config.get("variant", "default")
+    trial_id = tune.get_context().get_trial_id()
+    client = MlflowClient(tracking_uri=context.tracking_uri)
+    run_id = start_run(
+        client, context.experiment_id, f"{variant}-{trial_id}", {"variant": variant, "trial_id": trial_id}, context.parent_run_id
+    )
+    logger = RunLogger(client, run_id)
+    status = "FAILED"
+    try:
+        overrides = trial_overrides(config, context.variants)
+        params = apply_overrides(Params.model_validate(context.params), overrides, source=f"variant {variant!r}")
+        log_params(client, run_id, params)
+        logger.log_tags({**environment_tags(), "overrides": json.dumps(overrides, sort_keys=True)})
+        logger.log_dict(context.tokenize_stats)
+        metrics = _train_and_save(params, context, trial_id, logger, run_id)
+        logger.log_dict(metrics, step=int(metrics["optimizer_steps"]))
+        status = "FINISHED"
+    except Exception as err:
+        # Record why in the run itself, so the MLflow UI shows the failure next to its params.
+        message = str(err) if isinstance(err, UserError) else traceback.format_exc(limit=5)
+        logger.log_tags({"error": message[:5000]})
+        raise
+    finally:
+        logger.close(status)
+    # Reported after the run is closed: Tune may end this thread (SystemExit) once it has the last result.
+    tune.report({**metrics, "mlflow_run_id": run_id, "variant": variant, FINAL_KEY: 1})
+
+
+def _train_and_save(params: Params, context: TrialContext, trial_id: str, logger: RunLogger, run_id: str) -> dict[str, float]:
+    torch.set_num_threads(context.threads)
+    seed_everything(params.seed)
+    tokenized = Path(context.tokenized_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenized / TOKENIZER_DIR)
+    label_names = load_label_names(tokenized)
+    device = resolve_device(params)
+    precision = resolve_precision(params, device)
+    logger.log_tags({"precision.resolved": precision, "device.resolved": str(device)})
+    model = build_model(params.model, label_names, len(tokenizer), params.data.max_length, Path(context.root))
+
+    def on_epoch_end(epoch: int, step: int, metrics: dict[str, float]) -> None:
+        logger.log_dict(metrics, step=step)
+        tune.report({**metrics, "mlflow_run_id": run_id})
+
+    result = train_model(
+        model,
+        TokenizedSplit.load(tokenized / "train"),
+        TokenizedSplit.load(tokenized / "validation"),
+        params,
+        pad_id=tokenizer.pad_token_id,
+        device=device,
+        precision=precision,
+        on_log=lambda step, point: logger.log_dict({"train_loss": point["loss"], "lr": point["lr"]}, step=step),
+        on_epoch_end=on_epoch_end,
+    )
+    evaluation = evaluate_model(
+        model, TokenizedSplit.load(tokenized / "test"), label_names, params, pad_id=tokenizer.pad_token_id, device=device, precision=precision
+    )
+    out = Path(context.staging_dir) / trial_id
+    if params.grad_checkpointing:
+        model.gradient_checkpointing_disable()
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / LABELS_FILE).write_text(json.dumps({"names": label_names}, indent=2) + "\n", encoding="utf-8")
+    (out / PARAMS_FILE).write_text(json.dumps(params.model_dump(mode="json"), indent=2, sort_keys=True) + "\n")
+    (out / "history.json").write_text(json.dumps(result.history) + "\n")
+    return {**result.metrics, **evaluation.metrics}

@@ -1,0 +1,35 @@
+"""DVC stage `evaluate`: score the best model on the test split; metrics, plots, per-row predictions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pipelines.atomic import atomic_write_json, atomic_write_text
+from pipelines.errors import run_cli
+from pipelines.params import load_params, resolve_repo_root
+
+TOKENIZED = Path("data/tokenized")
+BEST_MODEL = Path("models/best")
+TRIALS = Path("models/trials.json")
+METRICS = Path("metrics/evaluate.json")
+CONFUSION = Path("plots/confusion.json")
+PREDICTIONS = Path("predictions/test.csv")
+
+
+def main() -> None:
+    params = load_params()
+    from pipelines.data.tokenization import load_label_names
+    from pipelines.evaluation import confusion_rows, evaluate_saved_model
+    from pipelines.tracking import log_evaluation, tracking_client
+
+    result = evaluate_saved_model(BEST_MODEL, TOKENIZED)
+    atomic_write_text(PREDICTIONS, result.predictions.to_csv(index=False))
+    atomic_write_json(CONFUSION, confusion_rows(result.confusion, load_label_names(BEST_MODEL)))
+    atomic_write_json(METRICS, result.metrics)
+    best_run_id = json.loads(TRIALS.read_text())["best"]["mlflow_run_id"]
+    log_evaluation(tracking_client(params.tracking, resolve_repo_root()), best_run_id, result.metrics, [METRICS, PREDICTIONS])
+
+
+if __name__ == "__main__":
+    run_cli(main)
