@@ -11,7 +11,9 @@ from pipelines.errors import UserError
 from pipelines.params import ModelParams
 
 
-def build_model(model: ModelParams, label_names: list[str], vocab_size: int, max_length: int, root: Path) -> PreTrainedModel:
+def build_model(
+    model: ModelParams, label_names: list[str], vocab_size: int, max_length: int, root: Path
+) -> PreTrainedModel:
     """Return a sequence classifier with `len(label_names)` outputs and named labels."""
     id2label = dict(enumerate(label_names))
     label2id = {name: i for i, name in id2label.items()}

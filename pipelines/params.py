@@ -2,7 +2,8 @@
 
 Every stage loads the whole file through `load_params` before doing any work, so a
 typo or a bad value fails in about a second with the key path, the bad value and
-what is allowed. This module imports only pydantic and PyYAML on purpose: it must
+what is allowed. The schema holds types, bounds and rules; the values themselves
+live only in `params.yaml`, so every field is required here. This module imports only pydantic and PyYAML on purpose: it must
 not pay for torch or Ray before it has said no.
 """
 
@@ -46,10 +47,10 @@ class StrictModel(BaseModel):
 class GeneratorParams(StrictModel):
     """The built-in synthetic topic corpus (used when `data.source` is `generator`)."""
 
-    num_rows: PositiveInt = Field(6000, ge=100, description="Rows generated in total, before splitting.")
-    num_classes: int = Field(4, ge=2, le=8, description="Number of topics (classes), 2 to 8.")
+    num_rows: PositiveInt = Field(ge=100, description="Rows generated in total, before splitting.")
+    num_classes: int = Field(ge=2, le=8, description="Number of topics (classes), 2 to 8.")
     label_noise: float = Field(
-        0.03, ge=0.0, lt=0.5, description="Fraction of rows whose label is replaced by a random topic."
+        ge=0.0, lt=0.5, description="Fraction of rows whose label is replaced by a random topic."
     )
 
 
@@ -57,27 +58,26 @@ class DataParams(StrictModel):
     """Where the rows come from and how they are tokenized and batched."""
 
     source: str = Field(
-        GENERATOR_SOURCE,
         description=(
             "`generator` (built-in corpus), a local .csv/.jsonl/.parquet file, a folder holding "
             "train/validation/test files, or a Hugging Face hub dataset id."
         ),
     )
-    generator: GeneratorParams = Field(default_factory=GeneratorParams, description="Settings of the built-in corpus.")
+    generator: GeneratorParams = Field(description="Settings of the built-in corpus.")
     text_column: str | list[str] = Field(
-        "text", description="Text column, or a list of columns joined with the tokenizer's separator."
+        description="Text column, or a list of columns joined with the tokenizer's separator."
     )
-    label_column: str = Field("label", description="Label column (strings or integers).")
-    max_length: int = Field(64, ge=8, le=8192, description="Tokens per row after truncation.")
+    label_column: str = Field(description="Label column (strings or integers).")
+    max_length: int = Field(ge=8, le=8192, description="Tokens per row after truncation.")
     bucketing: bool = Field(
-        True, description="Length-grouped batches padded to their longest row (false: pad to max_length, random batches)."
+        description="Length-grouped batches padded to their longest row (false: pad to max_length, random batches)."
     )
     pad_to_multiple_of: PositiveInt | None = Field(
-        8, description="Round each batch's padded length up to a multiple of this (tensor-core friendly); null for none."
+        description="Round each batch's padded length up to a multiple of this (tensor-core friendly); null for none."
     )
-    val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Validation share when the source has no validation split.")
-    test_fraction: float = Field(0.2, gt=0.0, lt=0.5, description="Test share when the source has no test split.")
-    num_proc: PositiveInt = Field(1, description="Processes used for tokenization.")
+    val_fraction: float = Field(gt=0.0, lt=0.5, description="Validation share when the source has no validation split.")
+    test_fraction: float = Field(gt=0.0, lt=0.5, description="Test share when the source has no test split.")
+    num_proc: PositiveInt = Field(description="Processes used for tokenization.")
 
     @model_validator(mode="after")
     def _fractions_leave_training_rows(self) -> DataParams:
@@ -92,12 +92,12 @@ class DataParams(StrictModel):
 class ModelConfigParams(StrictModel):
     """A small BERT-style classifier built from a config (used when `model.name_or_path` is null)."""
 
-    vocab_size: int = Field(2000, ge=100, le=100_000, description="Vocabulary of the tokenizer trained on the data.")
-    hidden_size: PositiveInt = Field(64, description="Width of the hidden states.")
-    num_hidden_layers: PositiveInt = Field(2, description="Transformer layers.")
-    num_attention_heads: PositiveInt = Field(2, description="Attention heads; must divide hidden_size.")
-    intermediate_size: PositiveInt = Field(128, description="Width of the feed-forward layer.")
-    dropout: float = Field(0.1, ge=0.0, lt=1.0, description="Dropout on hidden states and attention.")
+    vocab_size: int = Field(ge=100, le=100_000, description="Vocabulary of the tokenizer trained on the data.")
+    hidden_size: PositiveInt = Field(description="Width of the hidden states.")
+    num_hidden_layers: PositiveInt = Field(description="Transformer layers.")
+    num_attention_heads: PositiveInt = Field(description="Attention heads; must divide hidden_size.")
+    intermediate_size: PositiveInt = Field(description="Width of the feed-forward layer.")
+    dropout: float = Field(ge=0.0, lt=1.0, description="Dropout on hidden states and attention.")
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelConfigParams:
@@ -113,59 +113,59 @@ class ModelParams(StrictModel):
     """Which model is fine-tuned."""
 
     name_or_path: str | None = Field(
-        None, description="Hub model id or local folder; null builds `model.config` with a tokenizer trained on the data."
+        description="Hub model id or local folder; null builds `model.config` with a tokenizer trained on the data."
     )
-    config: ModelConfigParams = Field(default_factory=ModelConfigParams, description="Used when name_or_path is null.")
-    trust_remote_code: bool = Field(False, description="Allow a hub model to run its own code (off unless you trust it).")
+    config: ModelConfigParams = Field(description="Used when name_or_path is null.")
+    trust_remote_code: bool = Field(description="Allow a hub model to run its own code (off unless you trust it).")
 
 
 class TuneParams(StrictModel):
     """How the train stage runs its Ray Tune trials."""
 
-    num_samples: PositiveInt = Field(1, description="Trials per variant (more than one repeats it with new seeds).")
+    num_samples: PositiveInt = Field(
+        description="Trials per variant (repeats of the same configuration; useful to measure run-to-run spread)."
+    )
     variants: dict[str, dict[str, Any]] = Field(
-        default_factory=dict,
         description="Named override sets by dotted key, run as a grid, e.g. {vanilla: {}, bf16: {precision: bf16}}.",
     )
-    max_concurrent_trials: PositiveInt = Field(1, description="Trials running at the same time.")
-    metric: str = Field("val_accuracy", description="Trial metric that picks the best trial.")
-    mode: Literal["max", "min"] = Field("max", description="Whether the metric is maximised or minimised.")
+    max_concurrent_trials: PositiveInt = Field(description="Trials running at the same time.")
+    metric: str = Field(description="Trial metric that picks the best trial.")
+    mode: Literal["max", "min"] = Field(description="Whether the metric is maximised or minimised.")
 
 
 class TrackingParams(StrictModel):
     """Where runs are recorded."""
 
     uri: str = Field(
-        "sqlite:///mlflow.db",
         description="MLflow tracking URI; relative sqlite/file paths resolve against the repository root.",
     )
-    experiment: str = Field("finetune", min_length=1, description="MLflow experiment name.")
+    experiment: str = Field(min_length=1, description="MLflow experiment name.")
 
 
 class Params(StrictModel):
     """Everything a pipeline run reads: training knobs at the top, one section per concern."""
 
-    optim: Optimizer = Field("adamw", description="Optimizer.")
-    precision: Precision = Field("fp32", description="fp32, fp16 (autocast + loss scaling), bf16 (autocast), or auto.")
-    batch_size: PositiveInt = Field(32, description="Rows per micro-batch.")
-    grad_accum_steps: PositiveInt = Field(1, description="Micro-batches accumulated per optimizer step.")
-    grad_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
-    lr: PositiveFloat = Field(1e-3, lt=1.0, description="Peak learning rate.")
-    epochs: PositiveInt = Field(3, description="Passes over the training split.")
-    seed: int = Field(42, ge=0, description="Seed for data splits, shuffling and initialisation.")
-    lr_schedule: LrSchedule = Field("linear", description="Learning-rate schedule.")
-    warmup_ratio: float = Field(0.1, ge=0.0, lt=1.0, description="Share of optimizer steps spent warming up.")
-    weight_decay: NonNegativeFloat = Field(0.01, description="Decoupled weight decay (not on biases and norms).")
-    max_grad_norm: PositiveFloat | None = Field(1.0, description="Clip the global gradient norm to this; null to skip.")
-    device: DeviceName = Field("auto", description="auto picks CUDA when present, else CPU.")
-    num_workers: NonNegativeInt = Field(0, description="DataLoader worker processes.")
-    pin_memory: bool = Field(True, description="Pin host batches for faster, non-blocking copies (CUDA only).")
-    compile: bool = Field(False, description="torch.compile the model.")
-    log_every_n_steps: PositiveInt = Field(10, description="Optimizer steps between logged loss/lr points.")
-    data: DataParams = Field(default_factory=DataParams, description="Data source, tokenization, batching.")
-    model: ModelParams = Field(default_factory=ModelParams, description="The model fine-tuned.")
-    tune: TuneParams = Field(default_factory=TuneParams, description="Ray Tune trials.")
-    tracking: TrackingParams = Field(default_factory=TrackingParams, description="MLflow tracking.")
+    optim: Optimizer = Field(description="Optimizer.")
+    precision: Precision = Field(description="fp32, fp16 (autocast + loss scaling), bf16 (autocast), or auto.")
+    batch_size: PositiveInt = Field(description="Rows per micro-batch.")
+    grad_accum_steps: PositiveInt = Field(description="Micro-batches accumulated per optimizer step.")
+    grad_checkpointing: bool = Field(description="Recompute activations in backward to save memory.")
+    lr: PositiveFloat = Field(lt=1.0, description="Peak learning rate.")
+    epochs: PositiveInt = Field(description="Passes over the training split.")
+    seed: int = Field(ge=0, description="Seed for data splits, shuffling and initialisation.")
+    lr_schedule: LrSchedule = Field(description="Learning-rate schedule.")
+    warmup_ratio: float = Field(ge=0.0, lt=1.0, description="Share of optimizer steps spent warming up.")
+    weight_decay: NonNegativeFloat = Field(description="Decoupled weight decay (not on biases and norms).")
+    max_grad_norm: PositiveFloat | None = Field(description="Clip the global gradient norm to this; null to skip.")
+    device: DeviceName = Field(description="auto picks CUDA when present, else CPU.")
+    num_workers: NonNegativeInt = Field(description="DataLoader worker processes.")
+    pin_memory: bool = Field(description="Pin host batches for faster, non-blocking copies (CUDA only).")
+    compile: bool = Field(description="torch.compile the model.")
+    log_every_n_steps: PositiveInt = Field(description="Optimizer steps between logged loss/lr points.")
+    data: DataParams = Field(description="Data source, tokenization, batching.")
+    model: ModelParams = Field(description="The model fine-tuned.")
+    tune: TuneParams = Field(description="Ray Tune trials.")
+    tracking: TrackingParams = Field(description="MLflow tracking.")
 
     @model_validator(mode="after")
     def _variants_are_valid(self) -> Params:
@@ -178,7 +178,9 @@ class Params(StrictModel):
                         "(tune and tracking settings are shared by all trials)"
                     )
             try:
-                apply_overrides(self.model_copy(update={"tune": TuneParams()}), overrides)
+                apply_overrides(
+                    self.model_copy(update={"tune": self.tune.model_copy(update={"variants": {}})}), overrides
+                )
             except ParamsError as err:
                 raise ValueError(f"tune.variants.{name}: {err}") from None
         return self
@@ -193,7 +195,7 @@ def _describe_error(err: Mapping[str, Any]) -> str:
     if err["type"] == "extra_forbidden":
         return f"{loc}: unknown key (check the spelling; see the params reference in README.md)"
     if err["type"] == "missing":
-        return f"{loc}: required key is missing"
+        return f"{loc}: required key is missing (params.yaml holds every key; see the params reference in README.md)"
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "value_error":
         # Our own cross-field rules already name their keys and values.

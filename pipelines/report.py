@@ -198,7 +198,9 @@ def build_report(client: MlflowClient, experiment_id: str, parent_run_id: str, o
         *_environment_section(rows),
     ]
     if failed:
-        lines += ["## Failed trials", ""] + [f"- {r.name} ({r.status}): {r.tags.get('error', '')[:300]}" for r in failed]
+        lines += ["## Failed trials", ""] + [
+            f"- {r.name} ({r.status}): {r.tags.get('error', '')[:300]}" for r in failed
+        ]
     markdown = "\n".join(lines) + "\n"
     (out_dir / "report.md").write_text(markdown, encoding="utf-8")
     return markdown

@@ -165,7 +165,8 @@ def start_run(
 def close_dangling_children(client: MlflowClient, experiment_id: str, parent_run_id: str) -> int:
     """Mark children of `parent_run_id` still RUNNING (their process died) as KILLED; return how many."""
     runs = client.search_runs(
-        [experiment_id], filter_string=f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{parent_run_id}' and attributes.status = 'RUNNING'"
+        [experiment_id],
+        filter_string=f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{parent_run_id}' and attributes.status = 'RUNNING'",
     )
     for run in runs:
         client.set_terminated(run.info.run_id, status=RunStatus.to_string(RunStatus.KILLED))
@@ -175,7 +176,9 @@ def close_dangling_children(client: MlflowClient, experiment_id: str, parent_run
 def child_runs(client: MlflowClient, experiment_id: str, parent_run_id: str) -> list[Any]:
     """All child runs of `parent_run_id`, oldest first."""
     return client.search_runs(
-        [experiment_id], filter_string=f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{parent_run_id}'", order_by=["attributes.start_time ASC"]
+        [experiment_id],
+        filter_string=f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{parent_run_id}'",
+        order_by=["attributes.start_time ASC"],
     )
 
 

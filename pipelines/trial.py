@@ -71,7 +71,11 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
     trial_id = tune.get_context().get_trial_id()
     client = MlflowClient(tracking_uri=context.tracking_uri)
     run_id = start_run(
-        client, context.experiment_id, f"{variant}-{trial_id}", {"variant": variant, "trial_id": trial_id}, context.parent_run_id
+        client,
+        context.experiment_id,
+        f"{variant}-{trial_id}",
+        {"variant": variant, "trial_id": trial_id},
+        context.parent_run_id,
     )
     logger = RunLogger(client, run_id)
     status = "FAILED"
@@ -95,7 +99,9 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
     tune.report({**metrics, "mlflow_run_id": run_id, "variant": variant, FINAL_KEY: 1})
 
 
-def _train_and_save(params: Params, context: TrialContext, trial_id: str, logger: RunLogger, run_id: str) -> dict[str, float]:
+def _train_and_save(
+    params: Params, context: TrialContext, trial_id: str, logger: RunLogger, run_id: str
+) -> dict[str, float]:
     torch.set_num_threads(context.threads)
     seed_everything(params.seed)
     tokenized = Path(context.tokenized_dir)
@@ -122,7 +128,13 @@ def _train_and_save(params: Params, context: TrialContext, trial_id: str, logger
         on_epoch_end=on_epoch_end,
     )
     evaluation = evaluate_model(
-        model, TokenizedSplit.load(tokenized / "test"), label_names, params, pad_id=tokenizer.pad_token_id, device=device, precision=precision
+        model,
+        TokenizedSplit.load(tokenized / "test"),
+        label_names,
+        params,
+        pad_id=tokenizer.pad_token_id,
+        device=device,
+        precision=precision,
     )
     out = Path(context.staging_dir) / trial_id
     if params.grad_checkpointing:

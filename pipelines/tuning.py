@@ -25,8 +25,18 @@ BEST_DIR = "best"
 TRIALS_FILE = "trials.json"
 # Keys in a trial's result that are bookkeeping (ours or Ray's), not measurements.
 _NON_METRIC_KEYS = {
-    "mlflow_run_id", "variant", FINAL_KEY, "done", "timestamp", "time_this_iter_s", "time_total_s", "training_iteration",
-    "pid", "time_since_restore", "iterations_since_restore", "epoch",
+    "mlflow_run_id",
+    "variant",
+    FINAL_KEY,
+    "done",
+    "timestamp",
+    "time_this_iter_s",
+    "time_total_s",
+    "training_iteration",
+    "pid",
+    "time_since_restore",
+    "iterations_since_restore",
+    "epoch",
 }
 
 
@@ -50,7 +60,9 @@ def _param_space(params: Params) -> dict[str, Any]:
     return {"variant": "default"}
 
 
-def run_tuning(params: Params, root: Path, tokenized_dir: Path, out_dir: Path, tokenize_stats: dict[str, float]) -> dict[str, Any]:
+def run_tuning(
+    params: Params, root: Path, tokenized_dir: Path, out_dir: Path, tokenize_stats: dict[str, float]
+) -> dict[str, Any]:
     """Run every trial; write the best model to `out_dir/best` and a trials summary; return the summary."""
     from ray import tune
 
@@ -110,12 +122,20 @@ def run_tuning(params: Params, root: Path, tokenized_dir: Path, out_dir: Path, t
         client.set_terminated(parent_run_id, status=status)
 
 
-def _summarize(results: Any, params: Params, parent_run_id: str, experiment_id: str, tracking_uri: str) -> dict[str, Any]:
+def _summarize(
+    results: Any, params: Params, parent_run_id: str, experiment_id: str, tracking_uri: str
+) -> dict[str, Any]:
     metric, mode = params.tune.metric, params.tune.mode
     trials, failures = [], []
     for result in results:
         if result.error is not None or not (result.metrics or {}).get(FINAL_KEY):
-            failures.append({"trial": (result.metrics or {}).get("trial_id", "?"), "config": result.config, "error": str(result.error).splitlines()[-1:]})
+            failures.append(
+                {
+                    "trial": (result.metrics or {}).get("trial_id", "?"),
+                    "config": result.config,
+                    "error": str(result.error).splitlines()[-1:],
+                }
+            )
             continue
         m = result.metrics
         trials.append(
@@ -131,7 +151,9 @@ def _summarize(results: Any, params: Params, parent_run_id: str, experiment_id: 
         details = "; ".join(f"{f['config']}: {' '.join(f['error'])}" for f in failures)
         raise UserError(f"every trial failed: {details}")
     if metric not in trials[0]["metrics"]:
-        raise UserError(f"tune.metric = {metric!r} is not reported by trials; choose one of {sorted(trials[0]['metrics'])}")
+        raise UserError(
+            f"tune.metric = {metric!r} is not reported by trials; choose one of {sorted(trials[0]['metrics'])}"
+        )
     pick = max if mode == "max" else min
     best = pick(trials, key=lambda t: t["metrics"][metric])
     return {

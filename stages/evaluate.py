@@ -28,7 +28,9 @@ def main() -> None:
     atomic_write_json(CONFUSION, confusion_rows(result.confusion, load_label_names(BEST_MODEL)))
     atomic_write_json(METRICS, result.metrics)
     best_run_id = json.loads(TRIALS.read_text())["best"]["mlflow_run_id"]
-    log_evaluation(tracking_client(params.tracking, resolve_repo_root()), best_run_id, result.metrics, [METRICS, PREDICTIONS])
+    log_evaluation(
+        tracking_client(params.tracking, resolve_repo_root()), best_run_id, result.metrics, [METRICS, PREDICTIONS]
+    )
 
 
 if __name__ == "__main__":

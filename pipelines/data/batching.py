@@ -79,9 +79,16 @@ class LengthGroupedBatchSampler:
         if self.bucketing:
             mega = self.batch_size * MEGA_BATCH_MULT
             # Stable sort, longest first, so ties keep the shuffled order.
-            order = np.concatenate(
-                [chunk[np.argsort(-self.lengths[chunk], kind="stable")] for chunk in np.split(order, range(mega, n, mega))]
-            ) if n else order
+            order = (
+                np.concatenate(
+                    [
+                        chunk[np.argsort(-self.lengths[chunk], kind="stable")]
+                        for chunk in np.split(order, range(mega, n, mega))
+                    ]
+                )
+                if n
+                else order
+            )
         batches = [order[i : i + self.batch_size].tolist() for i in range(0, n, self.batch_size)]
         if self.drop_last and batches and len(batches[-1]) < self.batch_size:
             batches.pop()

@@ -23,7 +23,9 @@ from pipelines.data.tokenization import (
 from pipelines.params import Params
 
 
-def length_stats(lengths: np.ndarray, max_length: int, batch_size: int, bucketing: bool, pad_to: int | None, seed: int) -> dict[str, float]:
+def length_stats(
+    lengths: np.ndarray, max_length: int, batch_size: int, bucketing: bool, pad_to: int | None, seed: int
+) -> dict[str, float]:
     """Length percentiles and the padding fraction of configured vs fixed batching (0..1)."""
     sampler = LengthGroupedBatchSampler(lengths, batch_size, bucketing=bucketing, seed=seed)
     batches = sampler.batches(0)
@@ -65,6 +67,8 @@ def prepare_dataset(params: Params, root: Path, out_dir: Path) -> dict[str, Any]
         stats[split] = {
             "rows": len(table),
             "truncated_fraction": round(truncated / len(table), 6),
-            **length_stats(lengths, data.max_length, params.batch_size, data.bucketing, data.pad_to_multiple_of, params.seed),
+            **length_stats(
+                lengths, data.max_length, params.batch_size, data.bucketing, data.pad_to_multiple_of, params.seed
+            ),
         }
     return stats

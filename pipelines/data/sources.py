@@ -34,7 +34,9 @@ def _read_table(path: Path) -> pd.DataFrame:
             return pd.read_json(path, lines=path.suffix == ".jsonl", encoding="utf-8")
         return pd.read_parquet(path)
     except UnicodeDecodeError as err:
-        raise DataError(f"{path}: not valid UTF-8 (byte {err.start}: {err.reason}); re-encode the file as UTF-8") from None
+        raise DataError(
+            f"{path}: not valid UTF-8 (byte {err.start}: {err.reason}); re-encode the file as UTF-8"
+        ) from None
     except (ValueError, OSError, pd.errors.ParserError) as err:
         raise DataError(f"{path}: cannot be read as {path.suffix[1:]}: {err}") from None
 
@@ -76,7 +78,9 @@ def read_source(data: DataParams, root: Path) -> dict[str, pd.DataFrame]:
     if path.is_dir():
         tables = {s: _read_table(f) for s in SPLITS if (f := _find_split_file(path, s)) is not None}
         if "train" not in tables:
-            raise DataError(f"data.source = {data.source!r}: folder has no train file (train.csv, train.jsonl or train.parquet)")
+            raise DataError(
+                f"data.source = {data.source!r}: folder has no train file (train.csv, train.jsonl or train.parquet)"
+            )
         return tables
     looks_local = path.suffix in _SUFFIXES or data.source.startswith((".", "/", "~"))
     if looks_local or path.exists():

@@ -16,8 +16,36 @@ from pipelines.params import GeneratorParams
 
 TOPICS = ("orbital", "culinary", "markets", "athletics", "botany", "maritime", "music", "medicine")
 _SYLLABLES = (
-    "ka", "lo", "mi", "ser", "tun", "va", "rei", "dos", "pra", "nel", "qui", "zor", "bel", "fa", "gri",
-    "hov", "ix", "jen", "kra", "lum", "mor", "nis", "ost", "pel", "ru", "sta", "tor", "ul", "wen", "yas",
+    "ka",
+    "lo",
+    "mi",
+    "ser",
+    "tun",
+    "va",
+    "rei",
+    "dos",
+    "pra",
+    "nel",
+    "qui",
+    "zor",
+    "bel",
+    "fa",
+    "gri",
+    "hov",
+    "ix",
+    "jen",
+    "kra",
+    "lum",
+    "mor",
+    "nis",
+    "ost",
+    "pel",
+    "ru",
+    "sta",
+    "tor",
+    "ul",
+    "wen",
+    "yas",
 )
 # The corpus is fixed for given generator settings; `seed` in params shapes splits and training only.
 _CORPUS_SEED = 20_240_601

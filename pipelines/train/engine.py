@@ -96,7 +96,12 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
 
 @torch.inference_mode()
 def evaluate_split(
-    model: nn.Module, split: TokenizedSplit, params: Params, pad_id: int, device: torch.device, precision: ResolvedPrecision
+    model: nn.Module,
+    split: TokenizedSplit,
+    params: Params,
+    pad_id: int,
+    device: torch.device,
+    precision: ResolvedPrecision,
 ) -> tuple[np.ndarray, float]:
     """Return (logits in the split's row order, mean loss), using length-bucketed batches."""
     model.eval()
@@ -145,12 +150,16 @@ def train_model(
         torch.cuda.reset_peak_memory_stats(device)
     forward_model = torch.compile(model) if params.compile else model
 
-    sampler = LengthGroupedBatchSampler(train.lengths, params.batch_size, bucketing=params.data.bucketing, seed=params.seed)
+    sampler = LengthGroupedBatchSampler(
+        train.lengths, params.batch_size, bucketing=params.data.bucketing, seed=params.seed
+    )
     accum = params.grad_accum_steps
     steps_per_epoch = math.ceil(len(sampler.batches(0)) / accum)
     total_steps = steps_per_epoch * params.epochs
     optimizer = build_optimizer(params.optim, model, params.lr, params.weight_decay, device)
-    scheduler = build_scheduler(params.lr_schedule, optimizer, params.lr, total_steps, int(params.warmup_ratio * total_steps))
+    scheduler = build_scheduler(
+        params.lr_schedule, optimizer, params.lr, total_steps, int(params.warmup_ratio * total_steps)
+    )
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     activations = SavedActivationMeter()
 

@@ -10,7 +10,8 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from pipelines.errors import UserError
-from pipelines.params import LrSchedule, Optimizer as OptimizerName
+from pipelines.params import LrSchedule
+from pipelines.params import Optimizer as OptimizerName
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -23,7 +24,9 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(name: OptimizerName, model: nn.Module, lr: float, weight_decay: float, device: torch.device) -> Optimizer:
+def build_optimizer(
+    name: OptimizerName, model: nn.Module, lr: float, weight_decay: float, device: torch.device
+) -> Optimizer:
     """Build the named optimizer over `model`'s trainable parameters."""
     groups = _param_groups(model, weight_decay)
     if name == "adamw":
@@ -46,7 +49,9 @@ def build_optimizer(name: OptimizerName, model: nn.Module, lr: float, weight_dec
     raise UserError(f"optim = {name!r} is not known")
 
 
-def build_scheduler(name: LrSchedule, optimizer: Optimizer, lr: float, total_steps: int, warmup_steps: int) -> LRScheduler:
+def build_scheduler(
+    name: LrSchedule, optimizer: Optimizer, lr: float, total_steps: int, warmup_steps: int
+) -> LRScheduler:
     """Build the named schedule; every schedule is stepped once per optimizer step."""
     from transformers import (
         get_constant_schedule_with_warmup,
