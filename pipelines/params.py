@@ -3,8 +3,8 @@
 Every stage loads the whole file through `load_params` before doing any work, so a
 typo or a bad value fails in about a second with the key path, the bad value and
 what is allowed. The schema holds types, bounds and rules; the values themselves
-live only in `params.yaml`, so every field is required here. This module imports only pydantic and PyYAML on purpose: it must
-not pay for torch or Ray before it has said no.
+live only in `params.yaml`, so every field is required here. This module imports only
+pydantic and PyYAML on purpose: it must not pay for torch or Ray before it has said no.
 """
 
 from __future__ import annotations

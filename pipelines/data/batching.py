@@ -32,6 +32,17 @@ def _split_largest(batches: list[list[int]], count: int) -> list[list[int]]:
     return batches
 
 
+def _merge_smallest(batches: list[list[int]], count: int) -> list[list[int]]:
+    """Merge the smallest batch into the next smallest, `count` times (when nothing is left to split)."""
+    batches = list(batches)
+    for _ in range(count):
+        order = sorted(range(len(batches)), key=lambda j: len(batches[j]))
+        small, other = order[0], order[1]
+        batches[other] = batches[other] + batches[small]
+        del batches[small]
+    return batches
+
+
 class LengthGroupedBatchSampler:
     """Yields lists of row indices; one pass over the rows per epoch, every row exactly once.
 
@@ -40,7 +51,8 @@ class LengthGroupedBatchSampler:
     shuffled with the longest batch moved first. Without it, batches are a plain random
     permutation (the fixed-padding baseline). With `num_replicas > 1`, each rank takes
     every `num_replicas`-th batch; the batch count is made divisible by the rank count by
-    splitting the largest batches, so ranks run the same number of steps.
+    splitting the largest batches (or, when all are single rows, merging the smallest),
+    so ranks run the same number of steps on disjoint rows.
     """
 
     def __init__(
@@ -103,6 +115,10 @@ class LengthGroupedBatchSampler:
                 batches = batches[: len(batches) - remainder]
             else:
                 batches = _split_largest(batches, self.num_replicas - remainder)
+                remainder = len(batches) % self.num_replicas
+                if remainder and len(batches) - remainder >= self.num_replicas:
+                    # Only single-row batches were left to split (batch_size 1): merge instead.
+                    batches = _merge_smallest(batches, remainder)
         return batches
 
     def batches(self, epoch: int) -> list[list[int]]:

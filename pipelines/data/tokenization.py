@@ -28,6 +28,18 @@ TOKENIZER_DIR = "tokenizer"
 LABELS_FILE = "labels.json"
 
 
+def _canonical_vocab(vocab: dict[str, int]) -> dict[str, int]:
+    """Renumber a trained WordPiece vocab deterministically: specials first, then sorted.
+
+    The trainer numbers its alphabet and equally frequent merges in hash-set order, so
+    two identical runs give different ids (and different token arrays, which would
+    defeat DVC's cache). WordPiece encodes by greedy longest match over the vocabulary's
+    membership, so renumbering changes no tokenization.
+    """
+    rest = sorted(t for t in vocab if t not in SPECIAL_TOKENS)
+    return {token: i for i, token in enumerate(SPECIAL_TOKENS + rest)}
+
+
 def train_wordpiece_tokenizer(texts: Sequence[str], vocab_size: int) -> PreTrainedTokenizerFast:
     """Train a BERT-style WordPiece tokenizer on `texts` (used when no pretrained model is named)."""
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
@@ -36,6 +48,7 @@ def train_wordpiece_tokenizer(texts: Sequence[str], vocab_size: int) -> PreTrain
     tok.decoder = decoders.WordPiece()
     trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
+    tok.model = models.WordPiece(vocab=_canonical_vocab(tok.get_vocab()), unk_token="[UNK]")
     cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",

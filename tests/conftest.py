@@ -1,0 +1,71 @@
+"""Shared fixtures: the repository's own params, and a throw-away copy of the project as a git+DVC repo."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipelines.params import Params, apply_overrides, load_params
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+AG_NEWS = REPO_ROOT.parent / "shared" / "data" / "ag_news"
+
+
+@pytest.fixture(scope="session")
+def default_params() -> Params:
+    """The validated params.yaml of this repository (the only place defaults live)."""
+    return load_params(REPO_ROOT / "params.yaml")
+
+
+def tiny_params(base: Params, **overrides: Any) -> Params:
+    """`base` with dotted-key overrides, re-validated."""
+    return apply_overrides(base, overrides)
+
+
+def _project_files() -> list[str]:
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=REPO_ROOT, capture_output=True, text=True, check=True,
+    )
+    return [f for f in out.stdout.split("\0") if f and (REPO_ROOT / f).is_file()]
+
+
+def git_env() -> dict[str, str]:
+    """Environment for git/DVC subprocesses: a fixed identity, no prompts, our python first on PATH."""
+    env = dict(os.environ)
+    env.update(
+        GIT_AUTHOR_NAME="test", GIT_AUTHOR_EMAIL="test@example.com",
+        GIT_COMMITTER_NAME="test", GIT_COMMITTER_EMAIL="test@example.com",
+        GIT_TERMINAL_PROMPT="0", DVC_NO_ANALYTICS="1",
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+    )
+    env.pop("DVC_ROOT", None)
+    return env
+
+
+def run(cmd: list[str], cwd: Path, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run a command, capturing output; on failure the assertion shows both streams."""
+    proc = subprocess.run(cmd, cwd=cwd, env=git_env(), capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}"
+    return proc
+
+
+@pytest.fixture
+def project_copy(tmp_path: Path) -> Path:
+    """A fresh copy of this project (its tracked and unignored files) committed in a new git repo."""
+    dest = tmp_path / "project"
+    for rel in _project_files():
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO_ROOT / rel, target)
+    run(["git", "init", "-q", "-b", "main"], dest)
+    run(["git", "add", "-A"], dest)
+    run(["git", "commit", "-qm", "initial"], dest)
+    return dest

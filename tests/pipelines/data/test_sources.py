@@ -1,0 +1,102 @@
+"""Data sources: formats, splits, and a clear error for every kind of bad data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from pipelines.data.sources import DataError, load_splits
+from pipelines.data.synthetic import generate_corpus
+from tests.conftest import tiny_params
+
+
+def write_csv(path: Path, rows: int = 60, labels=("a", "b", "c")) -> Path:
+    frame = pd.DataFrame({"text": [f"row {i} about {labels[i % len(labels)]}" for i in range(rows)],
+                          "label": [labels[i % len(labels)] for i in range(rows)]})
+    frame.to_csv(path, index=False)
+    return path
+
+
+def test_generator_is_deterministic_and_not_trivial(default_params):
+    a = generate_corpus(default_params.data.generator)
+    b = generate_corpus(default_params.data.generator)
+    pd.testing.assert_frame_equal(a, b)
+    assert a["label"].nunique() == default_params.data.generator.num_classes
+    lengths = a["text"].str.split().str.len()
+    assert lengths.max() > 4 * lengths.median()  # a spread of lengths, so bucketing matters
+
+
+def test_single_file_is_split_stratified_and_deterministic(tmp_path, default_params):
+    params = tiny_params(default_params, **{"data.source": str(write_csv(tmp_path / "d.csv", 300))})
+    splits = load_splits(params.data, params.seed, tmp_path)
+    assert [len(splits[s]) for s in ("train", "validation", "test")] == [210, 30, 60]
+    assert splits["test"]["label"].value_counts().nunique() == 1  # stratified: 20 of each
+    again = load_splits(params.data, params.seed, tmp_path)
+    pd.testing.assert_frame_equal(splits["test"], again["test"])
+
+
+@pytest.mark.parametrize("suffix", ["csv", "jsonl", "parquet"])
+def test_folder_with_given_splits_and_formats(tmp_path, default_params, suffix):
+    frame = pd.read_csv(write_csv(tmp_path / "x.csv", 30))
+    for split in ("train", "validation", "test"):
+        path = tmp_path / f"{split}.{suffix}"
+        {"csv": lambda p: frame.to_csv(p, index=False), "jsonl": lambda p: frame.to_json(p, orient="records", lines=True),
+         "parquet": lambda p: frame.to_parquet(p)}[suffix](path)
+    (tmp_path / "x.csv").unlink()
+    params = tiny_params(default_params, **{"data.source": str(tmp_path)})
+    splits = load_splits(params.data, params.seed, tmp_path)
+    assert all(len(splits[s]) == 30 for s in splits)
+
+
+def test_several_text_columns_are_kept_per_row(tmp_path, default_params):
+    pd.DataFrame({"title": ["t1", "t2"] * 20, "body": ["b1", "b2"] * 20, "y": [1, 2] * 20}).to_csv(tmp_path / "d.csv", index=False)
+    params = tiny_params(default_params, **{"data.source": "d.csv", "data.text_column": ["title", "body"], "data.label_column": "y"})
+    splits = load_splits(params.data, params.seed, tmp_path)
+    assert set(splits["train"]["texts"]) == {("t1", "b1"), ("t2", "b2")}
+    assert set(splits["train"]["label"]) == {"1", "2"}
+
+
+def expect_error(tmp_path, default_params, match: str, **overrides) -> None:
+    params = tiny_params(default_params, **overrides)
+    with pytest.raises(DataError, match=match):
+        load_splits(params.data, params.seed, tmp_path)
+
+
+def test_missing_file(tmp_path, default_params):
+    expect_error(tmp_path, default_params, r"data.source = 'nope.csv': file not found", **{"data.source": "nope.csv"})
+
+
+def test_missing_columns(tmp_path, default_params):
+    write_csv(tmp_path / "d.csv")
+    expect_error(tmp_path, default_params, r"missing column\(s\) \['body'\]", **{"data.source": "d.csv", "data.text_column": "body"})
+    expect_error(tmp_path, default_params, r"missing column\(s\) \['y'\]", **{"data.source": "d.csv", "data.label_column": "y"})
+
+
+def test_empty_split(tmp_path, default_params):
+    write_csv(tmp_path / "train.csv")
+    pd.DataFrame({"text": [], "label": []}).to_csv(tmp_path / "test.csv", index=False)
+    expect_error(tmp_path, default_params, r"split 'test'.*the split is empty", **{"data.source": str(tmp_path)})
+
+
+def test_label_only_in_test(tmp_path, default_params):
+    write_csv(tmp_path / "train.csv", labels=("a", "b"))
+    write_csv(tmp_path / "test.csv", labels=("a", "zebra"))
+    expect_error(tmp_path, default_params, r"\['zebra'\] occur in validation/test but never in train", **{"data.source": str(tmp_path)})
+
+
+def test_non_utf8_bytes(tmp_path, default_params):
+    (tmp_path / "d.csv").write_bytes(b"text,label\nok,a\n\xff\xfe bad,b\n")
+    expect_error(tmp_path, default_params, r"d.csv: not valid UTF-8", **{"data.source": "d.csv"})
+
+
+def test_empty_text_row(tmp_path, default_params):
+    (tmp_path / "d.csv").write_text("text,label\nfine,a\n   ,b\nalso fine,a\n")
+    expect_error(tmp_path, default_params, r"row 1 has an empty text", **{"data.source": "d.csv"})
+
+
+def test_unreachable_hub_dataset_offline(tmp_path, default_params, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    expect_error(tmp_path, default_params, r"hub dataset could not be loaded", **{"data.source": "someone/no-such-dataset"})

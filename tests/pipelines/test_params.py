@@ -1,0 +1,123 @@
+"""The schema: defaults validate, and every kind of bad input is named clearly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipelines.params import ParamsError, apply_overrides, flatten_params, load_params, parse_params
+from pipelines.params_doc import BEGIN, END, reference_markdown
+from tests.conftest import REPO_ROOT
+
+
+def raw_defaults() -> dict:
+    return yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+
+
+def error_of(raw: dict) -> str:
+    with pytest.raises(ParamsError) as info:
+        parse_params(raw)
+    return str(info.value)
+
+
+def test_repository_params_validate(default_params):
+    assert default_params.optim == "adamw"
+    assert default_params.tracking.uri == "sqlite:///mlflow.db"
+
+
+def test_unknown_optimizer_names_key_value_and_allowed():
+    raw = raw_defaults() | {"optim": "adafator"}
+    message = error_of(raw)
+    assert "optim = 'adafator'" in message
+    for allowed in ("adamw", "adafactor", "adamw_8bit", "sgd"):
+        assert allowed in message
+
+
+def test_negative_batch_size_is_rejected():
+    message = error_of(raw_defaults() | {"batch_size": -4})
+    assert "batch_size = -4" in message and "greater than 0" in message
+
+
+def test_unknown_key_is_an_error_not_ignored():
+    raw = raw_defaults()
+    raw["data"]["max_lenght"] = 32
+    assert "data.max_lenght: unknown key" in error_of(raw)
+
+
+def test_missing_key_is_named():
+    raw = raw_defaults()
+    del raw["tracking"]["experiment"]
+    assert "tracking.experiment: required key is missing" in error_of(raw)
+
+
+def test_wrong_type_names_key():
+    raw = raw_defaults()
+    raw["data"]["bucketing"] = "sometimes"
+    assert "data.bucketing = 'sometimes'" in error_of(raw)
+
+
+def test_cross_field_rule_names_both_keys():
+    raw = raw_defaults()
+    raw["model"]["config"]["hidden_size"] = 66
+    raw["model"]["config"]["num_attention_heads"] = 4
+    message = error_of(raw)
+    assert "hidden_size (66)" in message and "num_attention_heads (4)" in message
+
+
+def test_every_problem_is_reported_at_once():
+    message = error_of(raw_defaults() | {"optim": "x", "lr": 5.0, "epochs": 0})
+    assert "optim = 'x'" in message and "lr = 5.0" in message and "epochs = 0" in message
+
+
+def test_bad_variant_is_rejected_at_load_with_its_name():
+    raw = raw_defaults()
+    raw["tune"]["variants"] = {"ok": {"precision": "bf16"}, "broken": {"optim": "adam"}}
+    message = error_of(raw)
+    assert "tune.variants.broken" in message and "optim = 'adam'" in message
+
+
+def test_variant_cannot_override_tracking():
+    raw = raw_defaults()
+    raw["tune"]["variants"] = {"v": {"tracking.uri": "sqlite:///other.db"}}
+    assert "cannot be overridden per trial" in error_of(raw)
+
+
+def test_apply_overrides_by_dotted_key(default_params):
+    changed = apply_overrides(default_params, {"optim": "adafactor", "data.max_length": 32})
+    assert changed.optim == "adafactor" and changed.data.max_length == 32
+    assert default_params.optim == "adamw"  # the original is untouched
+
+
+def test_override_of_unknown_key_fails(default_params):
+    with pytest.raises(ParamsError, match="data.nope: unknown key"):
+        apply_overrides(default_params, {"data.nope": 1})
+
+
+def test_flatten_uses_dotted_keys_and_top_level_optim(default_params):
+    flat = flatten_params(default_params)
+    assert flat["optim"] == "adamw"
+    assert flat["data.max_length"] == default_params.data.max_length
+    assert flat["model.config.hidden_size"] == default_params.model.config.hidden_size
+
+
+def test_load_params_errors_name_the_file(tmp_path: Path):
+    with pytest.raises(ParamsError, match="file not found"):
+        load_params(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim: [unclosed\n")
+    with pytest.raises(ParamsError, match="bad.yaml: not valid YAML"):
+        load_params(bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42\n")
+    with pytest.raises(ParamsError, match="top level must be a mapping"):
+        load_params(scalar)
+
+
+def test_readme_params_reference_matches_schema(default_params):
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    assert section == reference_markdown(default_params), "README is stale: run `python -m pipelines.params_doc`"
+    for key in flatten_params(default_params):
+        assert f"| `{key}` |" in section
