@@ -18,7 +18,7 @@ from pipelines.data.tokenization import (
     join_texts,
     label_names,
     load_pretrained_tokenizer,
-    train_wordpiece_tokenizer,
+    train_word_tokenizer,
 )
 from pipelines.params import Params
 
@@ -51,7 +51,7 @@ def prepare_dataset(params: Params, root: Path, out_dir: Path) -> dict[str, Any]
     label_ids = {name: i for i, name in enumerate(names)}
     if params.model.name_or_path is None:
         train_texts = join_texts(splits["train"]["texts"].tolist(), "[SEP]")
-        tokenizer = train_wordpiece_tokenizer(train_texts, params.model.config.vocab_size)
+        tokenizer = train_word_tokenizer(train_texts, params.model.config.vocab_size)
     else:
         tokenizer = load_pretrained_tokenizer(params.model, root)
     tokenizer.save_pretrained(out_dir / TOKENIZER_DIR)

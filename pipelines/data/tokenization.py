@@ -10,6 +10,7 @@ per-row Python objects.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing import get_context
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from pipelines.errors import UserError
@@ -28,28 +29,25 @@ TOKENIZER_DIR = "tokenizer"
 LABELS_FILE = "labels.json"
 
 
-def _canonical_vocab(vocab: dict[str, int]) -> dict[str, int]:
-    """Renumber a trained WordPiece vocab deterministically: specials first, then sorted.
+def train_word_tokenizer(texts: Sequence[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Build a BERT-style word-level tokenizer from the `vocab_size` most frequent words of `texts`.
 
-    The trainer numbers its alphabet and equally frequent merges in hash-set order, so
-    two identical runs give different ids (and different token arrays, which would
-    defeat DVC's cache). WordPiece encodes by greedy longest match over the vocabulary's
-    membership, so renumbering changes no tokenization.
+    Built here rather than with a `tokenizers` trainer: those break frequency ties in hash
+    order, so the same corpus gives a different vocabulary from run to run, and DVC's cache
+    never holds. Counting and sorting by (-count, word) is deterministic by construction.
+    Used only when no pretrained model (with its own tokenizer) is named.
     """
-    rest = sorted(t for t in vocab if t not in SPECIAL_TOKENS)
-    return {token: i for i, token in enumerate(SPECIAL_TOKENS + rest)}
-
-
-def train_wordpiece_tokenizer(texts: Sequence[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """Train a BERT-style WordPiece tokenizer on `texts` (used when no pretrained model is named)."""
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.decoder = decoders.WordPiece()
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer)
-    tok.model = models.WordPiece(vocab=_canonical_vocab(tok.get_vocab()), unk_token="[UNK]")
-    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    normalizer = normalizers.BertNormalizer(lowercase=True)
+    pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    counts: Counter[str] = Counter()
+    for text in texts:
+        counts.update(word for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(text)))
+    words = sorted(counts, key=lambda w: (-counts[w], w))[: vocab_size - len(SPECIAL_TOKENS)]
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + sorted(words))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizer
+    cls_id, sep_id = vocab["[CLS]"], vocab["[SEP]"]
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",
         pair="[CLS] $A [SEP] $B:1 [SEP]:1",
