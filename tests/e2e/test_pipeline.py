@@ -1,0 +1,98 @@
+"""The main job end to end, as a user runs it: real DVC in a temporary git repo, real Ray, real MLflow."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import run
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
+FINAL_METRICS = ("train_time_s", "samples_per_s", "tokens_per_s", "peak_memory_bytes", "test_accuracy", "test_macro_f1")
+
+
+def experiments(shown: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Flatten `dvc exp show --json` into (name, params, metrics) of baselines and experiments."""
+    found = []
+
+    def add(entry: dict[str, Any]) -> None:
+        data = entry.get("data") or {}
+        params = (data.get("params") or {}).get("params.yaml", {}).get("data", {})
+        metrics = {k: v for f in (data.get("metrics") or {}).values() for k, v in (f.get("data") or {}).items()}
+        found.append({"name": entry.get("name") or data.get("rev"), "params": params, "metrics": metrics})
+
+    for baseline in shown:
+        add(baseline)
+        for exp in baseline.get("experiments") or []:
+            for rev in exp.get("revs") or []:
+                add(rev)
+    return found
+
+
+def output_digests(root: Path) -> dict[str, str]:
+    paths = [p for d in ("data/tokenized", "models", "metrics", "reports") for p in (root / d).rglob("*") if p.is_file()]
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(paths)}
+
+
+def test_repro_noop_exp_run_and_bad_values(project_copy: Path):
+    root = project_copy
+
+    # 1. The main job on the defaults.
+    run(["dvc", "repro"], root, timeout=600)
+    for path in ("models/best/model.safetensors", "models/best/config.json", "reports/report.md",
+                 "reports/comparison.png", "predictions/test.csv", "plots/confusion.json"):
+        assert (root / path).is_file(), path
+    evaluate = json.loads((root / "metrics/evaluate.json").read_text())
+    assert 0.5 < evaluate["test_accuracy"] < 0.98  # learns, and the corpus is not trivially separable
+    report = (root / "reports/report.md").read_text()
+    assert "| default |" in report and "Train time" in report and "Peak memory" in report
+
+    # 2. A second repro does nothing, in seconds.
+    start = time.monotonic()
+    again = run(["dvc", "repro"], root)
+    assert "Data and pipelines are up to date" in again.stdout
+    assert time.monotonic() - start < 30
+    run(["git", "add", "-A"], root)
+    run(["git", "commit", "-qm", "baseline results"], root)
+
+    # 3. One knob changed as an experiment; both listed; the MLflow store has it, complete.
+    run(["dvc", "exp", "run", "-S", "optim=adafactor"], root, timeout=600)
+    shown = experiments(json.loads(run(["dvc", "exp", "show", "--json"], root).stdout))
+    optims = {e["params"].get("optim") for e in shown if "test_accuracy" in e["metrics"]}
+    assert {"adamw", "adafactor"} <= optims, shown
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("finetune")
+    runs = client.search_runs([experiment.experiment_id])
+    assert not [r.info.run_name for r in runs if r.info.status == "RUNNING"]
+    trials = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    adafactor = [r for r in trials if r.data.params.get("optim") == "adafactor"]
+    assert len(adafactor) == 1 and adafactor[0].info.status == "FINISHED"
+    for name in FINAL_METRICS:
+        assert adafactor[0].data.metrics.get(name, 0) > 0, name
+    assert adafactor[0].data.params["data.max_length"] == "64"  # every param, flattened
+    loss_curve = client.get_metric_history(adafactor[0].info.run_id, "train_loss")
+    assert len(loss_curve) > 10
+
+    # 4. Bad values fail fast, before training, naming key, value and allowed values; outputs untouched.
+    run(["dvc", "exp", "apply", "--help"], root)  # (warm the CLI; keeps the timings below about our stage)
+    before = output_digests(root)
+    for setting, expected in (("optim=adafator", ["optim = 'adafator'", "'adafactor'", "'sgd'"]),
+                              ("batch_size=-4", ["batch_size = -4", "greater than 0"])):
+        run(["git", "checkout", "--", "params.yaml"], root)
+        start = time.monotonic()
+        failed = run(["dvc", "exp", "run", "-S", setting], root, check=False)
+        assert failed.returncode != 0
+        assert time.monotonic() - start < 60
+        output = failed.stdout + failed.stderr
+        for text in expected:
+            assert text in output, output
+        assert "Traceback" not in output
+        assert output_digests(root) == before
