@@ -92,7 +92,9 @@ class DataParams(StrictModel):
 class ModelConfigParams(StrictModel):
     """A small BERT-style classifier built from a config (used when `model.name_or_path` is null)."""
 
-    vocab_size: int = Field(ge=100, le=100_000, description="Vocabulary size of the word-level tokenizer built from the training split.")
+    vocab_size: int = Field(
+        ge=100, le=100_000, description="Vocabulary size of the word-level tokenizer built from the training split."
+    )
     hidden_size: PositiveInt = Field(description="Width of the hidden states.")
     num_hidden_layers: PositiveInt = Field(description="Transformer layers.")
     num_attention_heads: PositiveInt = Field(description="Attention heads; must divide hidden_size.")

@@ -53,8 +53,8 @@ def artifact_root(tracking_uri: str, root: Path) -> str | None:
 def open_experiment(tracking: TrackingParams, root: Path) -> tuple[MlflowClient, str]:
     """Return a client and the experiment id, creating the experiment once if needed."""
     uri = resolve_tracking_uri(tracking.uri, root)
-    client = MlflowClient(tracking_uri=uri)
     try:
+        client = MlflowClient(tracking_uri=uri)
         experiment = client.get_experiment_by_name(tracking.experiment)
         if experiment is not None:
             return client, experiment.experiment_id

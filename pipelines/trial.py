@@ -138,7 +138,7 @@ def _train_and_save(
     )
     out = Path(context.staging_dir) / trial_id
     if params.grad_checkpointing:
-        model.gradient_checkpointing_disable()
+        model.activation_checkpointing_disable()
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     (out / LABELS_FILE).write_text(json.dumps({"names": label_names}, indent=2) + "\n", encoding="utf-8")

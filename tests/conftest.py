@@ -31,7 +31,10 @@ def tiny_params(base: Params, **overrides: Any) -> Params:
 def _project_files() -> list[str]:
     out = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
-        cwd=REPO_ROOT, capture_output=True, text=True, check=True,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return [f for f in out.stdout.split("\0") if f and (REPO_ROOT / f).is_file()]
 
@@ -40,9 +43,12 @@ def git_env() -> dict[str, str]:
     """Environment for git/DVC subprocesses: a fixed identity, no prompts, our python first on PATH."""
     env = dict(os.environ)
     env.update(
-        GIT_AUTHOR_NAME="test", GIT_AUTHOR_EMAIL="test@example.com",
-        GIT_COMMITTER_NAME="test", GIT_COMMITTER_EMAIL="test@example.com",
-        GIT_TERMINAL_PROMPT="0", DVC_NO_ANALYTICS="1",
+        GIT_AUTHOR_NAME="test",
+        GIT_AUTHOR_EMAIL="test@example.com",
+        GIT_COMMITTER_NAME="test",
+        GIT_COMMITTER_EMAIL="test@example.com",
+        GIT_TERMINAL_PROMPT="0",
+        DVC_NO_ANALYTICS="1",
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
     )
     env.pop("DVC_ROOT", None)
@@ -53,7 +59,9 @@ def run(cmd: list[str], cwd: Path, timeout: float = 600, check: bool = True) -> 
     """Run a command, capturing output; on failure the assertion shows both streams."""
     proc = subprocess.run(cmd, cwd=cwd, env=git_env(), capture_output=True, text=True, timeout=timeout)
     if check:
-        assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}"
+        assert proc.returncode == 0, (
+            f"{cmd} exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}"
+        )
     return proc
 
 

@@ -89,6 +89,29 @@ def forward_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Te
     return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
 
+def backward_micro_batch(
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    rows_in_window: int,
+    precision: ResolvedPrecision,
+    device: torch.device,
+    scaler: torch.amp.GradScaler,
+) -> torch.Tensor:
+    """Forward under autocast, then backward of this batch's share of the window's mean loss.
+
+    The loss is summed over the batch's rows and divided by the rows of the whole
+    accumulation window, so every row weighs the same whichever micro-batch it is in:
+    k accumulated micro-batches give the gradient of one batch of all their rows.
+    Returns the (detached) contribution to the window's loss.
+    """
+    with autocast_context(precision, device):
+        logits = forward_logits(model, batch)
+    # Cross-entropy in fp32 even under autocast: a bf16 log-softmax loses the small differences.
+    loss = F.cross_entropy(logits.float(), batch["labels"], reduction="sum") / rows_in_window
+    scaler.scale(loss).backward()
+    return loss.detach()
+
+
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     # non_blocking overlaps the copy with compute when the host batch is pinned.
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
@@ -142,7 +165,7 @@ def train_model(
     model.to(device)
     model.train()
     if params.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -188,12 +211,9 @@ def train_model(
             window, last_in_window = micro // accum, (micro + 1) % accum == 0 or micro == len(batches) - 1
 
             measure = activations.measure() if step < _ACTIVATION_MEASURE_STEPS else nullcontext()
-            with measure, autocast_context(precision, device):
-                logits = forward_logits(forward_model, batch)
-            # Sum over rows / rows in the window: every row weighs the same, whatever its micro-batch.
-            loss = F.cross_entropy(logits.float(), batch["labels"], reduction="sum") / windows[window]
-            scaler.scale(loss).backward()
-            logged_loss += loss.detach()
+            with measure:
+                loss = backward_micro_batch(forward_model, batch, windows[window], precision, device, scaler)
+            logged_loss += loss
             if not last_in_window:
                 continue
 

@@ -37,7 +37,9 @@ def experiments(shown: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def output_digests(root: Path) -> dict[str, str]:
-    paths = [p for d in ("data/tokenized", "models", "metrics", "reports") for p in (root / d).rglob("*") if p.is_file()]
+    paths = [
+        p for d in ("data/tokenized", "models", "metrics", "reports") for p in (root / d).rglob("*") if p.is_file()
+    ]
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(paths)}
 
 
@@ -46,8 +48,14 @@ def test_repro_noop_exp_run_and_bad_values(project_copy: Path):
 
     # 1. The main job on the defaults.
     run(["dvc", "repro"], root, timeout=600)
-    for path in ("models/best/model.safetensors", "models/best/config.json", "reports/report.md",
-                 "reports/comparison.png", "predictions/test.csv", "plots/confusion.json"):
+    for path in (
+        "models/best/model.safetensors",
+        "models/best/config.json",
+        "reports/report.md",
+        "reports/comparison.png",
+        "predictions/test.csv",
+        "plots/confusion.json",
+    ):
         assert (root / path).is_file(), path
     evaluate = json.loads((root / "metrics/evaluate.json").read_text())
     assert 0.5 < evaluate["test_accuracy"] < 0.98  # learns, and the corpus is not trivially separable
@@ -84,8 +92,10 @@ def test_repro_noop_exp_run_and_bad_values(project_copy: Path):
     # 4. Bad values fail fast, before training, naming key, value and allowed values; outputs untouched.
     run(["dvc", "exp", "apply", "--help"], root)  # (warm the CLI; keeps the timings below about our stage)
     before = output_digests(root)
-    for setting, expected in (("optim=adafator", ["optim = 'adafator'", "'adafactor'", "'sgd'"]),
-                              ("batch_size=-4", ["batch_size = -4", "greater than 0"])):
+    for setting, expected in (
+        ("optim=adafator", ["optim = 'adafator'", "'adafactor'", "'sgd'"]),
+        ("batch_size=-4", ["batch_size = -4", "greater than 0"]),
+    ):
         run(["git", "checkout", "--", "params.yaml"], root)
         start = time.monotonic()
         failed = run(["dvc", "exp", "run", "-S", setting], root, check=False)

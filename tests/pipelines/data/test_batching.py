@@ -32,7 +32,9 @@ def test_every_row_exactly_once_per_epoch(lengths, batch_size, bucketing, seed):
 @given(lengths=lengths_strategy, batch_size=st.integers(1, 16), replicas=st.integers(1, 4), bucketing=st.booleans())
 def test_ranks_are_disjoint_complete_and_equal_in_steps(lengths, batch_size, replicas, bucketing):
     shards = [
-        LengthGroupedBatchSampler(lengths, batch_size, bucketing=bucketing, seed=3, num_replicas=replicas, rank=r).batches(1)
+        LengthGroupedBatchSampler(
+            lengths, batch_size, bucketing=bucketing, seed=3, num_replicas=replicas, rank=r
+        ).batches(1)
         for r in range(replicas)
     ]
     rows = [i for shard in shards for i in flat(shard)]

@@ -13,8 +13,12 @@ from tests.conftest import tiny_params
 
 
 def write_csv(path: Path, rows: int = 60, labels=("a", "b", "c")) -> Path:
-    frame = pd.DataFrame({"text": [f"row {i} about {labels[i % len(labels)]}" for i in range(rows)],
-                          "label": [labels[i % len(labels)] for i in range(rows)]})
+    frame = pd.DataFrame(
+        {
+            "text": [f"row {i} about {labels[i % len(labels)]}" for i in range(rows)],
+            "label": [labels[i % len(labels)] for i in range(rows)],
+        }
+    )
     frame.to_csv(path, index=False)
     return path
 
@@ -42,8 +46,11 @@ def test_folder_with_given_splits_and_formats(tmp_path, default_params, suffix):
     frame = pd.read_csv(write_csv(tmp_path / "x.csv", 30))
     for split in ("train", "validation", "test"):
         path = tmp_path / f"{split}.{suffix}"
-        {"csv": lambda p: frame.to_csv(p, index=False), "jsonl": lambda p: frame.to_json(p, orient="records", lines=True),
-         "parquet": lambda p: frame.to_parquet(p)}[suffix](path)
+        {
+            "csv": lambda p: frame.to_csv(p, index=False),
+            "jsonl": lambda p: frame.to_json(p, orient="records", lines=True),
+            "parquet": lambda p: frame.to_parquet(p),
+        }[suffix](path)
     (tmp_path / "x.csv").unlink()
     params = tiny_params(default_params, **{"data.source": str(tmp_path)})
     splits = load_splits(params.data, params.seed, tmp_path)
@@ -51,8 +58,12 @@ def test_folder_with_given_splits_and_formats(tmp_path, default_params, suffix):
 
 
 def test_several_text_columns_are_kept_per_row(tmp_path, default_params):
-    pd.DataFrame({"title": ["t1", "t2"] * 20, "body": ["b1", "b2"] * 20, "y": [1, 2] * 20}).to_csv(tmp_path / "d.csv", index=False)
-    params = tiny_params(default_params, **{"data.source": "d.csv", "data.text_column": ["title", "body"], "data.label_column": "y"})
+    pd.DataFrame({"title": ["t1", "t2"] * 20, "body": ["b1", "b2"] * 20, "y": [1, 2] * 20}).to_csv(
+        tmp_path / "d.csv", index=False
+    )
+    params = tiny_params(
+        default_params, **{"data.source": "d.csv", "data.text_column": ["title", "body"], "data.label_column": "y"}
+    )
     splits = load_splits(params.data, params.seed, tmp_path)
     assert set(splits["train"]["texts"]) == {("t1", "b1"), ("t2", "b2")}
     assert set(splits["train"]["label"]) == {"1", "2"}
@@ -70,8 +81,15 @@ def test_missing_file(tmp_path, default_params):
 
 def test_missing_columns(tmp_path, default_params):
     write_csv(tmp_path / "d.csv")
-    expect_error(tmp_path, default_params, r"missing column\(s\) \['body'\]", **{"data.source": "d.csv", "data.text_column": "body"})
-    expect_error(tmp_path, default_params, r"missing column\(s\) \['y'\]", **{"data.source": "d.csv", "data.label_column": "y"})
+    expect_error(
+        tmp_path,
+        default_params,
+        r"missing column\(s\) \['body'\]",
+        **{"data.source": "d.csv", "data.text_column": "body"},
+    )
+    expect_error(
+        tmp_path, default_params, r"missing column\(s\) \['y'\]", **{"data.source": "d.csv", "data.label_column": "y"}
+    )
 
 
 def test_empty_split(tmp_path, default_params):
@@ -83,7 +101,12 @@ def test_empty_split(tmp_path, default_params):
 def test_label_only_in_test(tmp_path, default_params):
     write_csv(tmp_path / "train.csv", labels=("a", "b"))
     write_csv(tmp_path / "test.csv", labels=("a", "zebra"))
-    expect_error(tmp_path, default_params, r"\['zebra'\] occur in validation/test but never in train", **{"data.source": str(tmp_path)})
+    expect_error(
+        tmp_path,
+        default_params,
+        r"\['zebra'\] occur in validation/test but never in train",
+        **{"data.source": str(tmp_path)},
+    )
 
 
 def test_non_utf8_bytes(tmp_path, default_params):
@@ -99,4 +122,6 @@ def test_empty_text_row(tmp_path, default_params):
 def test_unreachable_hub_dataset_offline(tmp_path, default_params, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    expect_error(tmp_path, default_params, r"hub dataset could not be loaded", **{"data.source": "someone/no-such-dataset"})
+    expect_error(
+        tmp_path, default_params, r"hub dataset could not be loaded", **{"data.source": "someone/no-such-dataset"}
+    )

@@ -1,0 +1,40 @@
+"""Predictions stay in the test split's row order even though batches are bucketed by length."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pipelines.evaluation import confusion_rows, evaluate_model, score
+from tests.pipelines.train.helpers import tiny_model, tiny_split
+
+
+def test_each_prediction_matches_a_single_row_forward_pass(default_params):
+    split = tiny_split(rows=70, max_len=60, seed=9)  # lengths shuffled: bucketing reorders rows
+    model = tiny_model(seed=3).eval()
+    result = evaluate_model(
+        model, split, ["a", "b", "c"], default_params, pad_id=0, device=torch.device("cpu"), precision="fp32"
+    )
+    offsets = split.offsets
+    with torch.inference_mode():
+        for row in range(len(split)):
+            ids = torch.from_numpy(split.input_ids[offsets[row] : offsets[row] + split.lengths[row]].astype(np.int64))[
+                None
+            ]
+            probs = torch.softmax(model(input_ids=ids).logits, -1)[0].numpy()
+            got = result.predictions.iloc[row]
+            assert got["row_id"] == row
+            assert got["label"] == "abc"[split.labels[row]]
+            np.testing.assert_allclose([got["p_a"], got["p_b"], got["p_c"]], probs, atol=1e-5)
+            assert got["predicted"] == "abc"[int(probs.argmax())]
+
+
+def test_scores_and_confusion_rows():
+    labels = np.array([0, 0, 1, 1, 2])
+    logits = np.eye(3)[[0, 1, 1, 1, 0]]
+    result = score(labels, logits, ["x", "y", "z"])
+    assert result.metrics["test_accuracy"] == 0.6
+    assert result.metrics["test_recall.x"] == 0.5 and result.metrics["test_precision.y"] == 2 / 3
+    assert result.confusion.tolist() == [[1, 1, 0], [0, 2, 0], [1, 0, 0]]
+    rows = confusion_rows(result.confusion, ["x", "y", "z"])
+    assert len(rows) == 5 and rows.count({"actual": "z", "predicted": "x"}) == 1

@@ -1,0 +1,46 @@
+"""Tracking: store paths resolve against the repository, not the trial's working directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipelines.errors import UserError
+from pipelines.params import TrackingParams, resolve_repo_root
+from pipelines.tracking import RunLogger, open_experiment, resolve_tracking_uri, start_run
+
+
+def test_relative_stores_become_absolute(tmp_path: Path):
+    assert resolve_tracking_uri("sqlite:///mlflow.db", tmp_path) == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert resolve_tracking_uri("sqlite:////abs/x.db", tmp_path) == "sqlite:////abs/x.db"
+    assert resolve_tracking_uri("mlruns", tmp_path) == (tmp_path / "mlruns").as_uri()
+    assert resolve_tracking_uri("http://127.0.0.1:5000", tmp_path) == "http://127.0.0.1:5000"
+
+
+def test_repo_root_follows_dvc_root(monkeypatch, tmp_path: Path):
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    assert resolve_repo_root("elsewhere/params.yaml") == tmp_path.resolve()
+    monkeypatch.delenv("DVC_ROOT")
+    assert resolve_repo_root(tmp_path / "params.yaml") == tmp_path.resolve()
+
+
+def test_experiment_created_once_and_runs_logged_in_batches(tmp_path: Path):
+    tracking = TrackingParams(uri="sqlite:///store.db", experiment="t")
+    client, first = open_experiment(tracking, tmp_path)
+    _, second = open_experiment(tracking, tmp_path)
+    assert first == second
+    run_id = start_run(client, first, "r", {"variant": "v"})
+    logger = RunLogger(client, run_id, flush_every=1000)
+    for step in range(250):
+        logger.log_dict({"train_loss": 1.0 / (step + 1)}, step=step)
+    logger.close()
+    assert len(client.get_metric_history(run_id, "train_loss")) == 250
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_unusable_store_is_a_user_error(tmp_path: Path):
+    (tmp_path / "a-file").write_text("not a folder")
+    tracking = TrackingParams(uri="sqlite:///a-file/x.db", experiment="t")
+    with pytest.raises(UserError, match="tracking.uri = 'sqlite:///a-file/x.db': the MLflow store is unreachable"):
+        open_experiment(tracking, tmp_path)
