@@ -68,6 +68,9 @@ class DataParams(StrictModel):
         description="Text column, or a list of columns joined with the tokenizer's separator."
     )
     label_column: str = Field(description="Label column (strings or integers).")
+    csv_columns: list[str] | None = Field(
+        description="Column names of CSV files that have no header row (null: the first row is the header)."
+    )
     max_length: int = Field(ge=8, le=8192, description="Tokens per row after truncation.")
     bucketing: bool = Field(
         description="Length-grouped batches padded to their longest row (false: pad to max_length, random batches)."
@@ -75,9 +78,28 @@ class DataParams(StrictModel):
     pad_to_multiple_of: PositiveInt | None = Field(
         description="Round each batch's padded length up to a multiple of this (tensor-core friendly); null for none."
     )
+    max_tokens_per_batch: PositiveInt | None = Field(
+        description="With bucketing, fill batches up to this many padded tokens instead of batch_size rows "
+        "(short rows travel in bigger batches); null: batch_size rows per batch."
+    )
     val_fraction: float = Field(gt=0.0, lt=0.5, description="Validation share when the source has no validation split.")
     test_fraction: float = Field(gt=0.0, lt=0.5, description="Test share when the source has no test split.")
-    num_proc: PositiveInt = Field(description="Processes used for tokenization.")
+    num_proc: PositiveInt | None = Field(
+        description="Parallel tokenizer workers (Rust threads of the fast tokenizer); null: all cores."
+    )
+
+    @model_validator(mode="after")
+    def _token_budget_needs_bucketing(self) -> DataParams:
+        if self.max_tokens_per_batch is not None and not self.bucketing:
+            raise ValueError(
+                "data.max_tokens_per_batch needs data.bucketing: true (fixed padding has no length groups to fill)"
+            )
+        if self.max_tokens_per_batch is not None and self.max_tokens_per_batch < self.max_length:
+            raise ValueError(
+                f"data.max_tokens_per_batch ({self.max_tokens_per_batch}) must be at least "
+                f"data.max_length ({self.max_length}), or the longest rows fit in no batch"
+            )
+        return self
 
     @model_validator(mode="after")
     def _fractions_leave_training_rows(self) -> DataParams:

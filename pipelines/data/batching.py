@@ -47,8 +47,9 @@ class LengthGroupedBatchSampler:
     """Yields lists of row indices; one pass over the rows per epoch, every row exactly once.
 
     With `bucketing`, rows are shuffled, cut into mega-batches of `batch_size *
-    MEGA_BATCH_MULT`, each sorted by length and cut into batches, and the batch order is
-    shuffled with the longest batch moved first. Without it, batches are a plain random
+    MEGA_BATCH_MULT`, each sorted by length and cut into batches (of `batch_size` rows, or
+    of up to `max_tokens` padded tokens), and the batch order is shuffled with the
+    longest batch moved first. Without it, batches are a plain random
     permutation (the fixed-padding baseline). With `num_replicas > 1`, each rank takes
     every `num_replicas`-th batch; the batch count is made divisible by the rank count by
     splitting the largest batches (or, when all are single rows, merging the smallest),
@@ -66,6 +67,7 @@ class LengthGroupedBatchSampler:
         drop_last: bool = False,
         num_replicas: int = 1,
         rank: int = 0,
+        max_tokens: int | None = None,
     ) -> None:
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is outside 0..{num_replicas - 1}")
@@ -77,11 +79,29 @@ class LengthGroupedBatchSampler:
         self.drop_last = drop_last
         self.num_replicas = num_replicas
         self.rank = rank
+        self.max_tokens = max_tokens if bucketing else None
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order `__iter__` yields (call before each epoch)."""
         self.epoch = epoch
+
+    def _cut(self, rows: np.ndarray) -> list[list[int]]:
+        """Cut rows (sorted longest first when bucketing) into batches of rows or of a token budget."""
+        if self.max_tokens is None:
+            return [rows[i : i + self.batch_size].tolist() for i in range(0, len(rows), self.batch_size)]
+        batches: list[list[int]] = []
+        current: list[int] = []
+        for row in rows.tolist():
+            # Rows arrive longest first, so the batch's first row sets its padded width.
+            width = int(self.lengths[current[0]]) if current else int(self.lengths[row])
+            if current and (len(current) + 1) * width > self.max_tokens:
+                batches.append(current)
+                current = []
+            current.append(row)
+        if current:
+            batches.append(current)
+        return batches
 
     def global_batches(self, epoch: int) -> list[list[int]]:
         """All ranks' batches for `epoch`, deterministic in (seed, epoch)."""
@@ -91,24 +111,18 @@ class LengthGroupedBatchSampler:
         if self.bucketing:
             mega = self.batch_size * MEGA_BATCH_MULT
             # Stable sort, longest first, so ties keep the shuffled order.
-            order = (
-                np.concatenate(
-                    [
-                        chunk[np.argsort(-self.lengths[chunk], kind="stable")]
-                        for chunk in np.split(order, range(mega, n, mega))
-                    ]
-                )
-                if n
-                else order
-            )
-        batches = [order[i : i + self.batch_size].tolist() for i in range(0, n, self.batch_size)]
-        if self.drop_last and batches and len(batches[-1]) < self.batch_size:
+            chunks = [c[np.argsort(-self.lengths[c], kind="stable")] for c in np.split(order, range(mega, n, mega))]
+            batches = [batch for chunk in chunks for batch in self._cut(chunk)] if n else []
+        else:
+            batches = self._cut(order)
+        if self.drop_last and self.max_tokens is None and batches and len(batches[-1]) < self.batch_size:
             batches.pop()
         if self.bucketing and self.shuffle and len(batches) > 1:
             perm = rng.permutation(len(batches))
             batches = [batches[i] for i in perm]
-            longest = max(range(len(batches)), key=lambda i: int(self.lengths[batches[i]].max()))
-            batches.insert(0, batches.pop(longest))
+            # The batch with the most padded tokens goes first: an out-of-memory shows at step one.
+            largest = max(range(len(batches)), key=lambda i: len(batches[i]) * int(self.lengths[batches[i]].max()))
+            batches.insert(0, batches.pop(largest))
         remainder = len(batches) % self.num_replicas
         if remainder:
             if self.drop_last:

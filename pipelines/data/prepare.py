@@ -18,25 +18,27 @@ from pipelines.data.tokenization import (
     join_texts,
     label_names,
     load_pretrained_tokenizer,
+    set_tokenizer_threads,
     train_word_tokenizer,
 )
-from pipelines.params import Params
+from pipelines.params import DataParams, Params
 
 
-def length_stats(
-    lengths: np.ndarray, max_length: int, batch_size: int, bucketing: bool, pad_to: int | None, seed: int
-) -> dict[str, float]:
-    """Length percentiles and the padding fraction of configured vs fixed batching (0..1)."""
-    sampler = LengthGroupedBatchSampler(lengths, batch_size, bucketing=bucketing, seed=seed)
-    batches = sampler.batches(0)
-    configured = padding_fraction(
-        lengths, batches, (lambda longest: padded_length(longest, pad_to)) if bucketing else (lambda _: max_length)
+def length_stats(lengths: np.ndarray, data: DataParams, batch_size: int, seed: int) -> dict[str, float]:
+    """Length percentiles and the padding fraction of the configured batching vs fixed padding (0..1)."""
+    sampler = LengthGroupedBatchSampler(
+        lengths, batch_size, bucketing=data.bucketing, seed=seed, max_tokens=data.max_tokens_per_batch
     )
-    fixed = padding_fraction(lengths, batches, lambda _: max_length)
+    batches = sampler.batches(0)
+    if data.bucketing:
+        configured = padding_fraction(lengths, batches, lambda longest: padded_length(longest, data.pad_to_multiple_of))
+    else:
+        configured = padding_fraction(lengths, batches, lambda _: data.max_length)
+    fixed = padding_fraction(lengths, batches, lambda _: data.max_length)
     return {
-        "length_p50": float(np.percentile(lengths, 50)),
-        "length_p90": float(np.percentile(lengths, 90)),
-        "length_p99": float(np.percentile(lengths, 99)),
+        "length_p50": round(float(np.percentile(lengths, 50)), 3),
+        "length_p90": round(float(np.percentile(lengths, 90)), 3),
+        "length_p99": round(float(np.percentile(lengths, 99)), 3),
         "length_max": int(lengths.max()),
         "pad_fraction_configured": round(configured, 6),
         "pad_fraction_fixed": round(fixed, 6),
@@ -46,6 +48,7 @@ def length_stats(
 def prepare_dataset(params: Params, root: Path, out_dir: Path) -> dict[str, Any]:
     """Write tokenized splits, the tokenizer and the label map into `out_dir`; return the stats."""
     data = params.data
+    set_tokenizer_threads(data.num_proc)
     splits = load_splits(data, params.seed, root)
     names = label_names(splits["train"]["label"])
     label_ids = {name: i for i, name in enumerate(names)}
@@ -61,14 +64,12 @@ def prepare_dataset(params: Params, root: Path, out_dir: Path) -> dict[str, Any]
     for split in SPLITS:
         table = splits[split]
         texts = join_texts(table["texts"].tolist(), tokenizer.sep_token or "[SEP]")
-        ids, lengths, truncated = encode_texts(tokenizer, texts, data.max_length, data.num_proc)
+        ids, lengths, truncated = encode_texts(tokenizer, texts, data.max_length)
         labels = table["label"].map(label_ids).to_numpy(dtype=np.int64)
         TokenizedSplit(ids, lengths, labels).save(out_dir / split)
         stats[split] = {
             "rows": len(table),
             "truncated_fraction": round(truncated / len(table), 6),
-            **length_stats(
-                lengths, data.max_length, params.batch_size, data.bucketing, data.pad_to_multiple_of, params.seed
-            ),
+            **length_stats(lengths, data, params.batch_size, params.seed),
         }
     return stats

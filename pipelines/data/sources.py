@@ -26,10 +26,12 @@ class DataError(UserError):
     """The data source cannot be used as it is."""
 
 
-def _read_table(path: Path) -> pd.DataFrame:
+def _read_table(path: Path, csv_columns: list[str] | None = None) -> pd.DataFrame:
     try:
         if path.suffix == ".csv":
-            return pd.read_csv(path, encoding="utf-8", keep_default_na=False)
+            if csv_columns is None:
+                return pd.read_csv(path, encoding="utf-8", keep_default_na=False)
+            return pd.read_csv(path, encoding="utf-8", keep_default_na=False, header=None, names=csv_columns)
         if path.suffix in (".jsonl", ".json"):
             return pd.read_json(path, lines=path.suffix == ".jsonl", encoding="utf-8")
         return pd.read_parquet(path)
@@ -76,17 +78,21 @@ def read_source(data: DataParams, root: Path) -> dict[str, pd.DataFrame]:
     path = Path(data.source)
     path = path if path.is_absolute() else root / path
     if path.is_dir():
-        tables = {s: _read_table(f) for s in SPLITS if (f := _find_split_file(path, s)) is not None}
+        tables = {s: _read_table(f, data.csv_columns) for s in SPLITS if (f := _find_split_file(path, s)) is not None}
+        if "train" not in tables and len(tables) == 1:
+            # A folder with one data file (e.g. a benchmark's test split alone): split it like a single file.
+            return {"train": next(iter(tables.values()))}
         if "train" not in tables:
             raise DataError(
-                f"data.source = {data.source!r}: folder has no train file (train.csv, train.jsonl or train.parquet)"
+                f"data.source = {data.source!r}: folder has no train file "
+                "(train.csv, train.jsonl or train.parquet) and more than one other split file"
             )
         return tables
     looks_local = path.suffix in _SUFFIXES or data.source.startswith((".", "/", "~"))
     if looks_local or path.exists():
         if not path.is_file():
             raise DataError(f"data.source = {data.source!r}: file not found ({path})")
-        return {"train": _read_table(path)}
+        return {"train": _read_table(path, data.csv_columns)}
     return _load_hub(data.source)
 
 

@@ -174,7 +174,11 @@ def train_model(
     forward_model = torch.compile(model) if params.compile else model
 
     sampler = LengthGroupedBatchSampler(
-        train.lengths, params.batch_size, bucketing=params.data.bucketing, seed=params.seed
+        train.lengths,
+        params.batch_size,
+        bucketing=params.data.bucketing,
+        seed=params.seed,
+        max_tokens=params.data.max_tokens_per_batch,
     )
     accum = params.grad_accum_steps
     steps_per_epoch = math.ceil(len(sampler.batches(0)) / accum)

@@ -87,3 +87,21 @@ def test_collator_pads_dynamically_to_a_multiple_and_masks():
     assert batch["labels"].tolist() == [1, 2] and int(batch["num_tokens"]) == 6
     fixed = PadCollator(split, pad_id=0, fixed_length=16, pad_to_multiple_of=8)([0])
     assert fixed["input_ids"].shape == (1, 16) and fixed["input_ids"].dtype == torch.int64
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=lengths_strategy, budget=st.integers(300, 2000), seed=st.integers(0, 100))
+def test_token_budget_batches_cover_every_row_within_budget(lengths, budget, seed):
+    sampler = LengthGroupedBatchSampler(lengths, 16, bucketing=True, seed=seed, max_tokens=budget)
+    batches = sampler.batches(0)
+    assert sorted(flat(batches)) == list(range(len(lengths)))
+    for batch in batches:
+        assert len(batch) * int(lengths[batch].max()) <= budget or len(batch) == 1
+
+
+def test_token_budget_puts_short_rows_in_bigger_batches():
+    lengths = np.concatenate([np.full(500, 10), np.full(500, 100)])
+    batches = LengthGroupedBatchSampler(lengths, 16, seed=0, max_tokens=1000).batches(0)
+    short = [len(b) for b in batches if lengths[b].max() == 10]
+    long = [len(b) for b in batches if lengths[b].min() == 100]
+    assert max(short) == 100 and max(long) == 10

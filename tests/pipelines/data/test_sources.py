@@ -125,3 +125,39 @@ def test_unreachable_hub_dataset_offline(tmp_path, default_params, monkeypatch):
     expect_error(
         tmp_path, default_params, r"hub dataset could not be loaded", **{"data.source": "someone/no-such-dataset"}
     )
+
+
+def test_headerless_csv_with_named_columns(tmp_path, default_params):
+    (tmp_path / "d.csv").write_text("".join(f'"{1 + i % 2}","title {i}","body {i}"\n' for i in range(40)))
+    params = tiny_params(
+        default_params,
+        **{
+            "data.source": "d.csv",
+            "data.csv_columns": ["y", "title", "body"],
+            "data.text_column": ["title", "body"],
+            "data.label_column": "y",
+        },
+    )
+    splits = load_splits(params.data, params.seed, tmp_path)
+    assert sum(len(s) for s in splits.values()) == 40  # no row lost to a header
+    assert set(splits["train"]["label"]) == {"1", "2"}
+
+
+def test_folder_with_a_single_split_file_is_split_like_a_file(tmp_path, default_params):
+    write_csv(tmp_path / "test.csv", 100)
+    params = tiny_params(default_params, **{"data.source": str(tmp_path)})
+    splits = load_splits(params.data, params.seed, tmp_path)
+    assert [len(splits[s]) for s in ("train", "validation", "test")] == [70, 10, 20]
+
+
+def test_folder_without_train_and_several_files_is_an_error(tmp_path, default_params):
+    write_csv(tmp_path / "test.csv")
+    write_csv(tmp_path / "validation.csv")
+    expect_error(tmp_path, default_params, r"folder has no train file", **{"data.source": str(tmp_path)})
+
+
+def test_token_budget_requires_bucketing(default_params):
+    from pipelines.params import ParamsError
+
+    with pytest.raises(ParamsError, match="data.max_tokens_per_batch needs data.bucketing: true"):
+        tiny_params(default_params, **{"data.max_tokens_per_batch": 4096, "data.bucketing": False})
