@@ -186,6 +186,9 @@ class Params(StrictModel):
     pin_memory: bool = Field(description="Pin host batches for faster, non-blocking copies (CUDA only).")
     compile: bool = Field(description="torch.compile the model.")
     log_every_n_steps: PositiveInt = Field(description="Optimizer steps between logged loss/lr points.")
+    checkpoint_every_n_steps: PositiveInt | None = Field(
+        description="Optimizer steps between checkpoints (one is also written at every epoch's end); null: epochs only."
+    )
     data: DataParams = Field(description="Data source, tokenization, batching.")
     model: ModelParams = Field(description="The model fine-tuned.")
     tune: TuneParams = Field(description="Ray Tune trials.")

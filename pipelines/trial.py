@@ -25,6 +25,7 @@ from pipelines.evaluation import evaluate_model
 from pipelines.model import build_model
 from pipelines.params import Params, apply_overrides
 from pipelines.tracking import RunLogger, environment_tags, log_params, start_run
+from pipelines.train.checkpoint import discard
 from pipelines.train.device import resolve_device, resolve_precision
 from pipelines.train.engine import train_model
 
@@ -42,6 +43,7 @@ class TrialContext:
     variants: dict[str, dict[str, Any]]
     tokenized_dir: str
     staging_dir: str
+    checkpoint_root: str
     tracking_uri: str
     experiment_id: str
     parent_run_id: str
@@ -85,7 +87,7 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
         log_params(client, run_id, params)
         logger.log_tags({**environment_tags(), "overrides": json.dumps(overrides, sort_keys=True)})
         logger.log_dict(context.tokenize_stats)
-        metrics = _train_and_save(params, context, trial_id, logger, run_id)
+        metrics = _train_and_save(params, context, variant, trial_id, logger, run_id)
         logger.log_dict(metrics, step=int(metrics["optimizer_steps"]))
         status = "FINISHED"
     except Exception as err:
@@ -100,7 +102,7 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
 
 
 def _train_and_save(
-    params: Params, context: TrialContext, trial_id: str, logger: RunLogger, run_id: str
+    params: Params, context: TrialContext, variant: str, trial_id: str, logger: RunLogger, run_id: str
 ) -> dict[str, float]:
     torch.set_num_threads(context.threads)
     seed_everything(params.seed)
@@ -116,6 +118,15 @@ def _train_and_save(
         logger.log_dict(metrics, step=step)
         tune.report({**metrics, "mlflow_run_id": run_id})
 
+    # Keyed by variant and trial index (stable across `dvc repro` runs, unlike Ray's trial id), so a
+    # re-run after a crash finds the checkpoint; the params inside decide whether it is resumed.
+    checkpoint_dir = Path(context.checkpoint_root) / f"{variant}-{trial_id.rsplit('_', 1)[-1]}"
+    resume_messages: list[str] = []
+
+    def say(message: str) -> None:
+        print(f"[{variant}] {message}", flush=True)
+        resume_messages.append(message)
+
     result = train_model(
         model,
         TokenizedSplit.load(tokenized / "train"),
@@ -126,7 +137,10 @@ def _train_and_save(
         precision=precision,
         on_log=lambda step, point: logger.log_dict({"train_loss": point["loss"], "lr": point["lr"]}, step=step),
         on_epoch_end=on_epoch_end,
+        checkpoint_dir=checkpoint_dir,
+        say=say,
     )
+    logger.log_tags({"checkpoint": " / ".join(resume_messages)})
     evaluation = evaluate_model(
         model,
         TokenizedSplit.load(tokenized / "test"),
@@ -144,4 +158,5 @@ def _train_and_save(
     (out / LABELS_FILE).write_text(json.dumps({"names": label_names}, indent=2) + "\n", encoding="utf-8")
     (out / PARAMS_FILE).write_text(json.dumps(params.model_dump(mode="json"), indent=2, sort_keys=True) + "\n")
     (out / "history.json").write_text(json.dumps(result.history) + "\n")
+    discard(checkpoint_dir)  # finished: a later run with the same params must train, not skip
     return {**result.metrics, **evaluation.metrics}

@@ -86,6 +86,7 @@ def run_tuning(
         variants=params.tune.variants,
         tokenized_dir=str(tokenized_dir.resolve()),
         staging_dir=str(staging.resolve()),
+        checkpoint_root=str((root / "checkpoints" / params.tracking.experiment).resolve()),
         tracking_uri=tracking_uri,
         experiment_id=experiment_id,
         parent_run_id=parent_run_id,

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.params import Params
+from pipelines.train.checkpoint import LoopState, find_resumable, restore, save_checkpoint
 from pipelines.train.device import ResolvedPrecision, autocast_context
 from pipelines.train.memory import (
     SavedActivationMeter,
@@ -76,6 +77,9 @@ def make_loader(
         pin_memory=params.pin_memory and device.type == "cuda",
         persistent_workers=False,
         prefetch_factor=2 if workers else None,
+        # Its own generator: iterating a DataLoader draws a seed, which would otherwise come from
+        # torch's global RNG and shift every later dropout mask (breaking exact resume).
+        generator=torch.Generator().manual_seed(params.seed),
     )
 
 
@@ -160,8 +164,14 @@ def train_model(
     precision: ResolvedPrecision,
     on_log: LogFn | None = None,
     on_epoch_end: EpochFn | None = None,
+    checkpoint_dir: Path | None = None,
+    say: Callable[[str], None] = print,
 ) -> TrainResult:
-    """Train `model` in place for `params.epochs` and return what was measured."""
+    """Train `model` in place for `params.epochs` and return what was measured.
+
+    With `checkpoint_dir`, a checkpoint is written every `checkpoint_every_n_steps` optimizer
+    steps and at every epoch's end; a checkpoint made with the same params is resumed from.
+    """
     model.to(device)
     model.train()
     if params.grad_checkpointing:
@@ -181,8 +191,7 @@ def train_model(
         max_tokens=params.data.max_tokens_per_batch,
     )
     accum = params.grad_accum_steps
-    steps_per_epoch = math.ceil(len(sampler.batches(0)) / accum)
-    total_steps = steps_per_epoch * params.epochs
+    total_steps = sum(math.ceil(len(sampler.batches(e)) / accum) for e in range(params.epochs))
     optimizer = build_optimizer(params.optim, model, params.lr, params.weight_decay, device)
     scheduler = build_scheduler(
         params.lr_schedule, optimizer, params.lr, total_steps, int(params.warmup_ratio * total_steps)
@@ -190,33 +199,41 @@ def train_model(
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     activations = SavedActivationMeter()
 
-    history: list[dict[str, float]] = []
-    step_times: list[float] = []
-    rows_seen = tokens_seen = 0
-    data_wait = 0.0
-    peak_grad_bytes = 0
-    step = 0
-    logged_loss = torch.zeros((), device=device)  # summed on device; read only at log points
-    logged_windows = 0
-    val_metrics: dict[str, float] = {}
+    state = LoopState()
+    if checkpoint_dir is not None:
+        payload, message = find_resumable(checkpoint_dir, params)
+        say(message)
+        if payload is not None:
+            state = restore(payload, model, optimizer, scheduler, scaler)
+
+    def checkpoint() -> None:
+        if checkpoint_dir is not None:
+            state.logged_loss = float(logged_loss)
+            state.elapsed_s = time.perf_counter() - start + elapsed_before
+            save_checkpoint(checkpoint_dir, params, state, model, optimizer, scheduler, scaler)
+
+    logged_loss = torch.tensor(state.logged_loss, device=device)  # summed on device; read at log points only
+    elapsed_before = state.elapsed_s
     start = time.perf_counter()
-    for epoch in range(params.epochs):
+    while state.epoch < params.epochs:
+        epoch = state.epoch
         batches = sampler.batches(epoch)
         windows = window_rows(batches, accum)
-        loader = iter(make_loader(train, batches, params, pad_id, device))
+        # Resuming mid-epoch: the batch list is deterministic, so skip what was consumed.
+        loader = iter(make_loader(train, batches[state.micro :], params, pad_id, device))
         step_start = time.perf_counter()
-        for micro in range(len(batches)):
+        for micro in range(state.micro, len(batches)):
             fetch = time.perf_counter()
             batch = next(loader)
-            data_wait += time.perf_counter() - fetch
-            rows_seen += len(batch["labels"])
-            tokens_seen += int(batch["num_tokens"])
+            state.data_wait_s += time.perf_counter() - fetch
+            state.rows_seen += len(batch["labels"])
+            state.tokens_seen += int(batch["num_tokens"])
             batch = to_device(batch, device)
-            window, last_in_window = micro // accum, (micro + 1) % accum == 0 or micro == len(batches) - 1
+            last_in_window = (micro + 1) % accum == 0 or micro == len(batches) - 1
 
-            measure = activations.measure() if step < _ACTIVATION_MEASURE_STEPS else nullcontext()
+            measure = activations.measure() if state.step < _ACTIVATION_MEASURE_STEPS else nullcontext()
             with measure:
-                loss = backward_micro_batch(forward_model, batch, windows[window], precision, device, scaler)
+                loss = backward_micro_batch(forward_model, batch, windows[micro // accum], precision, device, scaler)
             logged_loss += loss
             if not last_in_window:
                 continue
@@ -224,57 +241,67 @@ def train_model(
             if params.max_grad_norm is not None:
                 scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), params.max_grad_norm)
-            if step == 0:
-                peak_grad_bytes = gradient_bytes(model)
+            if state.step == 0:
+                state.peak_grad_bytes = gradient_bytes(model)
+                state.peak_activation_bytes = activations.peak_bytes
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-            step += 1
-            logged_windows += 1
+            state.step += 1
+            state.micro = micro + 1
+            state.logged_windows += 1
             now = time.perf_counter()
-            step_times.append(now - step_start)
+            state.step_times.append(now - step_start)
             step_start = now
-            if step % params.log_every_n_steps == 0 or step == total_steps:
+            if state.step % params.log_every_n_steps == 0 or state.step == total_steps:
                 # The one host-device sync of the loop, every log_every_n_steps steps.
-                point = {"loss": float(logged_loss) / logged_windows, "lr": scheduler.get_last_lr()[0], "epoch": epoch}
-                history.append({"step": step, **point})
-                if on_log:
-                    on_log(step, point)
+                point = {"loss": float(logged_loss) / state.logged_windows, "lr": scheduler.get_last_lr()[0]}
+                state.history.append({"step": state.step, "epoch": epoch, **point})
                 logged_loss.zero_()
-                logged_windows = 0
+                state.logged_windows = 0
+                if on_log:
+                    on_log(state.step, point)
+            if params.checkpoint_every_n_steps and state.step % params.checkpoint_every_n_steps == 0:
+                checkpoint()
 
         val_logits, val_loss = evaluate_split(model, validation, params, pad_id, device, precision)
-        val_metrics = {
+        state.val_metrics = {
             "val_loss": val_loss,
             "val_accuracy": float((val_logits.argmax(1) == validation.labels).mean()),
-            "epoch": epoch + 1,
         }
+        state.epoch, state.micro = epoch + 1, 0
+        checkpoint()
         if on_epoch_end:
-            on_epoch_end(epoch + 1, step, val_metrics)
+            on_epoch_end(epoch + 1, state.step, state.val_metrics)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    train_time = time.perf_counter() - start
+    train_time = time.perf_counter() - start + elapsed_before
+    return TrainResult(metrics=_final_metrics(state, train_time, model, optimizer, device), history=state.history)
 
-    metrics: dict[str, Any] = {
+
+def _final_metrics(
+    state: LoopState, train_time: float, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
+) -> dict[str, float]:
+    metrics: dict[str, float] = {
         "train_time_s": train_time,
-        "samples_per_s": rows_seen / train_time,
-        "tokens_per_s": tokens_seen / train_time,
-        "step_time_p50_ms": _percentile_ms(step_times, 50),
-        "step_time_p90_ms": _percentile_ms(step_times, 90),
-        "data_wait_fraction": data_wait / train_time,
-        "optimizer_steps": step,
-        "final_train_loss": history[-1]["loss"] if history else float("nan"),
+        "samples_per_s": state.rows_seen / train_time,
+        "tokens_per_s": state.tokens_seen / train_time,
+        "step_time_p50_ms": _percentile_ms(state.step_times, 50),
+        "step_time_p90_ms": _percentile_ms(state.step_times, 90),
+        "data_wait_fraction": state.data_wait_s / train_time,
+        "optimizer_steps": state.step,
+        "final_train_loss": state.history[-1]["loss"] if state.history else float("nan"),
         "param_bytes": parameter_bytes(model),
-        "grad_bytes": peak_grad_bytes,
+        "grad_bytes": state.peak_grad_bytes,
         "optimizer_state_bytes": optimizer_state_bytes(optimizer),
-        "peak_activation_bytes": activations.peak_bytes,
+        "peak_activation_bytes": state.peak_activation_bytes,
         "peak_rss_bytes": peak_rss_bytes(),
-        **val_metrics,
+        **state.val_metrics,
     }
     if device.type == "cuda":
         metrics["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
         metrics["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
     else:
         metrics["peak_memory_bytes"] = metrics["peak_rss_bytes"]
-    return TrainResult(metrics={k: float(v) for k, v in metrics.items()}, history=history)
+    return {k: float(v) for k, v in metrics.items()}

@@ -149,3 +149,45 @@ def test_every_optimizer_and_schedule_trains(default_params, optim, schedule):
 def test_grad_accumulation_counts_optimizer_steps_with_a_partial_window(default_params):
     result = train_tiny(default_params, grad_accum_steps=3)
     assert result.metrics["optimizer_steps"] == 2 * math.ceil(10 / 3)
+
+
+class Killed(Exception):
+    """Stands in for a process killed mid-epoch."""
+
+
+def test_run_killed_mid_epoch_resumes_to_the_same_final_loss(default_params, tmp_path):
+    params = tiny_params(default_params, **{"epochs": 2, "batch_size": 16, "log_every_n_steps": 1,
+                                            "checkpoint_every_n_steps": 4, "warmup_ratio": 0.0})
+    data = tiny_split(rows=160, seed=3), tiny_split(rows=48, seed=4)
+
+    def train(folder, on_log=None, messages=None):
+        torch.manual_seed(0)
+        model = tiny_model(dropout=0.1)  # dropout: the RNG state must be restored too
+        return train_model(model, *data, params, pad_id=0, device=CPU, precision="fp32", checkpoint_dir=folder,
+                           on_log=on_log, say=(messages.append if messages is not None else lambda _: None))
+
+    uninterrupted = train(tmp_path / "a")
+
+    def kill_at_step_7(step, _point):
+        if step == 7:  # mid-epoch (10 steps per epoch); the last checkpoint is at step 4
+            raise Killed
+
+    with pytest.raises(Killed):
+        train(tmp_path / "b", on_log=kill_at_step_7)
+    messages: list[str] = []
+    resumed = train(tmp_path / "b", messages=messages)
+    assert "resuming from" in messages[0] and "optimizer step 4" in messages[0]
+    assert resumed.metrics["optimizer_steps"] == uninterrupted.metrics["optimizer_steps"] == 20
+    assert abs(resumed.metrics["final_train_loss"] - uninterrupted.metrics["final_train_loss"]) < 1e-6
+    assert [h["step"] for h in resumed.history] == list(range(1, 21))
+
+
+def test_checkpoint_made_with_other_params_is_not_resumed(default_params, tmp_path):
+    params = tiny_params(default_params, **{"epochs": 1, "batch_size": 16})
+    data = tiny_split(rows=64, seed=3), tiny_split(rows=16, seed=4)
+    train_model(tiny_model(), *data, params, pad_id=0, device=CPU, precision="fp32", checkpoint_dir=tmp_path, say=print)
+    changed = tiny_params(params, lr=5e-4)
+    messages: list[str] = []
+    train_model(tiny_model(), *data, changed, pad_id=0, device=CPU, precision="fp32", checkpoint_dir=tmp_path,
+                say=messages.append)
+    assert "different params (lr: 0.001 -> 0.0005): starting fresh" in messages[0]

@@ -1,0 +1,120 @@
+"""Training checkpoints that carry the params they were made with.
+
+A checkpoint holds everything needed to continue bit-for-bit on the same device: model,
+optimizer, scheduler and scaler state, the torch RNG (dropout), the position in the
+epoch's deterministic batch list, and the loop's running counters. Resuming under
+different params is refused (the run starts fresh) and the differing keys are named.
+Files are written to a temporary name and renamed, and read with `weights_only=True`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipelines.params import Params, flatten_params
+
+CHECKPOINT_FILE = "checkpoint.pt"
+PARAMS_FILE = "params.json"
+
+
+@dataclass
+class LoopState:
+    """Where the loop is and what it has counted so far (saved in every checkpoint)."""
+
+    epoch: int = 0
+    micro: int = 0  # micro-batches of `epoch` already consumed
+    step: int = 0  # optimizer steps taken
+    rows_seen: int = 0
+    tokens_seen: int = 0
+    data_wait_s: float = 0.0
+    elapsed_s: float = 0.0
+    step_times: list[float] = field(default_factory=list)
+    history: list[dict[str, float]] = field(default_factory=list)
+    logged_loss: float = 0.0  # loss summed over windows since the last logged point
+    logged_windows: int = 0
+    peak_grad_bytes: int = 0
+    peak_activation_bytes: int = 0
+    val_metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _training_params(params: Params) -> dict[str, Any]:
+    # Tracking and tune settings don't change the run's numbers; logging cadence doesn't either.
+    flat = flatten_params(params)
+    return {k: v for k, v in flat.items() if not k.startswith(("tracking.", "tune."))}
+
+
+def save_checkpoint(
+    folder: Path,
+    params: Params,
+    state: LoopState,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: torch.amp.GradScaler,
+) -> None:
+    """Write a checkpoint atomically into `folder` (replacing the previous one)."""
+    payload = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict(),
+        "rng_cpu": torch.get_rng_state(),
+        "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "state": json.dumps(asdict(state)),
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix="checkpoint-", suffix=".pt.tmp", dir=folder)
+    os.close(fd)
+    torch.save(payload, tmp)
+    os.replace(tmp, folder / CHECKPOINT_FILE)
+    (folder / PARAMS_FILE).write_text(json.dumps(_training_params(params), indent=2, sort_keys=True), encoding="utf-8")
+
+
+def find_resumable(folder: Path, params: Params) -> tuple[dict[str, Any] | None, str]:
+    """Return (checkpoint payload or None, a sentence saying what happens and why)."""
+    path = folder / CHECKPOINT_FILE
+    if not path.is_file():
+        return None, "no checkpoint: starting fresh"
+    try:
+        saved = json.loads((folder / PARAMS_FILE).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None, f"checkpoint in {folder} has no readable params: starting fresh"
+    current = _training_params(params)
+    changed = sorted(k for k in current.keys() | saved.keys() if current.get(k) != saved.get(k))
+    if changed:
+        detail = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed[:5])
+        return None, f"checkpoint in {folder} was made with different params ({detail}): starting fresh"
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    state = LoopState(**json.loads(payload["state"]))
+    return payload, f"resuming from {path} at epoch {state.epoch + 1}, optimizer step {state.step}"
+
+
+def restore(
+    payload: dict[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: torch.amp.GradScaler,
+) -> LoopState:
+    """Load a checkpoint payload into the live objects; return the loop state to continue from."""
+    model.load_state_dict(payload["model"])
+    optimizer.load_state_dict(payload["optimizer"])
+    scheduler.load_state_dict(payload["scheduler"])
+    scaler.load_state_dict(payload["scaler"])
+    torch.set_rng_state(payload["rng_cpu"])
+    if payload["rng_cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(payload["rng_cuda"])
+    return LoopState(**json.loads(payload["state"]))
+
+
+def discard(folder: Path) -> None:
+    """Remove a finished run's checkpoints (a later run with the same params must train, not skip)."""
+    shutil.rmtree(folder, ignore_errors=True)
