@@ -13,7 +13,7 @@ import copy
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -22,11 +22,13 @@ from pydantic import (
     Field,
     NonNegativeFloat,
     NonNegativeInt,
+    PlainValidator,
     PositiveFloat,
     PositiveInt,
     ValidationError,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from pipelines.errors import UserError
 
@@ -36,6 +38,15 @@ LrSchedule = Literal["constant", "linear", "cosine", "onecycle", "cyclic"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 
 GENERATOR_SOURCE = "generator"
+
+
+def _batch_size(value: Any) -> int | str:
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value
+    raise PydanticCustomError("batch_size", "must be an integer greater than 0, or 'auto'")
+
+
+BatchSize = Annotated[int | Literal["auto"], PlainValidator(_batch_size, json_schema_input_type=int | str)]
 
 
 class StrictModel(BaseModel):
@@ -171,7 +182,12 @@ class Params(StrictModel):
 
     optim: Optimizer = Field(description="Optimizer.")
     precision: Precision = Field(description="fp32, fp16 (autocast + loss scaling), bf16 (autocast), or auto.")
-    batch_size: PositiveInt = Field(description="Rows per micro-batch.")
+    batch_size: BatchSize = Field(
+        description="Rows per micro-batch, or `auto`: the largest divisor of effective_batch_size that fits in memory."
+    )
+    effective_batch_size: PositiveInt | None = Field(
+        description="Rows per optimizer step when batch_size is auto (accumulation makes up the rest); else null."
+    )
     grad_accum_steps: PositiveInt = Field(description="Micro-batches accumulated per optimizer step.")
     grad_checkpointing: bool = Field(description="Recompute activations in backward to save memory.")
     lr: PositiveFloat = Field(lt=1.0, description="Peak learning rate.")
@@ -183,6 +199,10 @@ class Params(StrictModel):
     max_grad_norm: PositiveFloat | None = Field(description="Clip the global gradient norm to this; null to skip.")
     device: DeviceName = Field(description="auto picks CUDA when present, else CPU.")
     num_workers: NonNegativeInt = Field(description="DataLoader worker processes.")
+    persistent_workers: bool = Field(
+        description="Keep DataLoader workers alive between epochs (needs num_workers > 0)."
+    )
+    prefetch_factor: PositiveInt = Field(description="Batches each DataLoader worker prepares ahead.")
     pin_memory: bool = Field(description="Pin host batches for faster, non-blocking copies (CUDA only).")
     compile: bool = Field(description="torch.compile the model.")
     log_every_n_steps: PositiveInt = Field(description="Optimizer steps between logged loss/lr points.")
@@ -193,6 +213,33 @@ class Params(StrictModel):
     model: ModelParams = Field(description="The model fine-tuned.")
     tune: TuneParams = Field(description="Ray Tune trials.")
     tracking: TrackingParams = Field(description="MLflow tracking.")
+
+    @model_validator(mode="after")
+    def _combinations_are_compatible(self) -> Params:
+        if self.batch_size == "auto" and self.effective_batch_size is None:
+            raise ValueError("batch_size: auto needs effective_batch_size (the rows per optimizer step to keep)")
+        if self.batch_size == "auto" and self.grad_accum_steps != 1:
+            raise ValueError(
+                "batch_size: auto chooses grad_accum_steps itself; set grad_accum_steps: 1 "
+                f"(got {self.grad_accum_steps})"
+            )
+        if self.batch_size != "auto" and self.effective_batch_size is not None:
+            raise ValueError(
+                f"effective_batch_size ({self.effective_batch_size}) is only used with batch_size: auto; "
+                f"with batch_size {self.batch_size} the effective batch is batch_size x grad_accum_steps; "
+                "set it to null"
+            )
+        if self.batch_size == "auto" and self.data.max_tokens_per_batch is not None:
+            raise ValueError("batch_size: auto and data.max_tokens_per_batch both size batches; choose one")
+        if self.optim == "adamw_8bit" and self.device == "cpu":
+            raise ValueError("optim: adamw_8bit runs on CUDA only (bitsandbytes); device: cpu cannot use it")
+        if self.precision == "fp16" and self.device == "cpu":
+            raise ValueError(
+                "precision: fp16 (with loss scaling) is for GPUs; with device: cpu use precision: bf16, fp32 or auto"
+            )
+        if self.persistent_workers and self.num_workers == 0:
+            raise ValueError("persistent_workers: true needs num_workers > 0 (there are no workers to keep)")
+        return self
 
     @model_validator(mode="after")
     def _variants_are_valid(self) -> Params:

@@ -19,12 +19,14 @@ import torch
 from ray import tune
 from transformers import AutoTokenizer
 
+from pipelines.data.batching import padded_length
 from pipelines.data.tokenization import LABELS_FILE, TOKENIZER_DIR, TokenizedSplit, load_label_names
 from pipelines.errors import UserError
 from pipelines.evaluation import evaluate_model
 from pipelines.model import build_model
 from pipelines.params import Params, apply_overrides
 from pipelines.tracking import RunLogger, environment_tags, log_params, start_run
+from pipelines.train.batch_size import resolve_batch_size
 from pipelines.train.checkpoint import discard
 from pipelines.train.device import resolve_device, resolve_precision
 from pipelines.train.engine import train_model
@@ -113,6 +115,16 @@ def _train_and_save(
     precision = resolve_precision(params, device)
     logger.log_tags({"precision.resolved": precision, "device.resolved": str(device)})
     model = build_model(params.model, label_names, len(tokenizer), params.data.max_length, Path(context.root))
+    train = TokenizedSplit.load(tokenized / "train")
+    longest = int(train.lengths.max())
+    if params.data.bucketing:
+        longest = padded_length(longest, params.data.pad_to_multiple_of)
+    params = resolve_batch_size(
+        params, model, longest if params.data.bucketing else params.data.max_length, device, precision
+    )
+    logger.log_tags(
+        {"batch_size.resolved": str(params.batch_size), "grad_accum_steps.resolved": str(params.grad_accum_steps)}
+    )
 
     def on_epoch_end(epoch: int, step: int, metrics: dict[str, float]) -> None:
         logger.log_dict(metrics, step=step)
@@ -129,7 +141,7 @@ def _train_and_save(
 
     result = train_model(
         model,
-        TokenizedSplit.load(tokenized / "train"),
+        train,
         TokenizedSplit.load(tokenized / "validation"),
         params,
         pad_id=tokenizer.pad_token_id,

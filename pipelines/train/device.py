@@ -44,6 +44,11 @@ def check_runtime(params: Params) -> None:
     """Reject choices this machine cannot run, before any data is read or model built."""
     device = resolve_device(params)
     resolve_precision(params, device)
+    if params.precision == "fp16" and device.type == "cpu":
+        raise UserError(
+            "precision = 'fp16' (with loss scaling) is for GPUs, and device: auto found none; "
+            "use precision: bf16, fp32 or auto"
+        )
     if params.optim == "adamw_8bit":
         if device.type != "cuda":
             raise UserError("optim = 'adamw_8bit' needs CUDA (bitsandbytes); allowed here: adamw, adafactor, sgd")

@@ -75,8 +75,8 @@ def make_loader(
         collate_fn=collator,
         num_workers=workers,
         pin_memory=params.pin_memory and device.type == "cuda",
-        persistent_workers=False,
-        prefetch_factor=2 if workers else None,
+        persistent_workers=params.persistent_workers and workers > 0,
+        prefetch_factor=params.prefetch_factor if workers else None,
         # Its own generator: iterating a DataLoader draws a seed, which would otherwise come from
         # torch's global RNG and shift every later dropout mask (breaking exact resume).
         generator=torch.Generator().manual_seed(params.seed),

@@ -156,15 +156,26 @@ class Killed(Exception):
 
 
 def test_run_killed_mid_epoch_resumes_to_the_same_final_loss(default_params, tmp_path):
-    params = tiny_params(default_params, **{"epochs": 2, "batch_size": 16, "log_every_n_steps": 1,
-                                            "checkpoint_every_n_steps": 4, "warmup_ratio": 0.0})
+    params = tiny_params(
+        default_params,
+        **{"epochs": 2, "batch_size": 16, "log_every_n_steps": 1, "checkpoint_every_n_steps": 4, "warmup_ratio": 0.0},
+    )
     data = tiny_split(rows=160, seed=3), tiny_split(rows=48, seed=4)
 
     def train(folder, on_log=None, messages=None):
         torch.manual_seed(0)
         model = tiny_model(dropout=0.1)  # dropout: the RNG state must be restored too
-        return train_model(model, *data, params, pad_id=0, device=CPU, precision="fp32", checkpoint_dir=folder,
-                           on_log=on_log, say=(messages.append if messages is not None else lambda _: None))
+        return train_model(
+            model,
+            *data,
+            params,
+            pad_id=0,
+            device=CPU,
+            precision="fp32",
+            checkpoint_dir=folder,
+            on_log=on_log,
+            say=(messages.append if messages is not None else lambda _: None),
+        )
 
     uninterrupted = train(tmp_path / "a")
 
@@ -188,6 +199,14 @@ def test_checkpoint_made_with_other_params_is_not_resumed(default_params, tmp_pa
     train_model(tiny_model(), *data, params, pad_id=0, device=CPU, precision="fp32", checkpoint_dir=tmp_path, say=print)
     changed = tiny_params(params, lr=5e-4)
     messages: list[str] = []
-    train_model(tiny_model(), *data, changed, pad_id=0, device=CPU, precision="fp32", checkpoint_dir=tmp_path,
-                say=messages.append)
+    train_model(
+        tiny_model(),
+        *data,
+        changed,
+        pad_id=0,
+        device=CPU,
+        precision="fp32",
+        checkpoint_dir=tmp_path,
+        say=messages.append,
+    )
     assert "different params (lr: 0.001 -> 0.0005): starting fresh" in messages[0]

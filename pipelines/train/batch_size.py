@@ -1,0 +1,107 @@
+"""`batch_size: auto`: the largest micro-batch that fits, with accumulation keeping the effective batch.
+
+Candidates are the divisors of `effective_batch_size`, largest first, so micro-batch x
+accumulation equals the requested effective batch exactly. Each candidate is probed
+with the split's longest rows (the sampler puts that batch first, so it is the peak).
+On CUDA a probe is a real forward and backward that may raise out-of-memory; a CPU
+raises nothing before the OS kills the process, so there the activation bytes of one
+row are measured and scaled against a share of the memory available.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import psutil
+import torch
+from torch import nn
+
+from pipelines.errors import UserError
+from pipelines.params import Params, apply_overrides
+from pipelines.train.device import ResolvedPrecision
+from pipelines.train.engine import backward_micro_batch
+from pipelines.train.memory import SavedActivationMeter, parameter_bytes
+
+# Share of the machine's available RAM a CPU run may plan to use for one step.
+CPU_MEMORY_SHARE = 0.5
+
+
+def divisors_descending(n: int) -> list[int]:
+    """All divisors of `n`, largest first."""
+    return sorted((d for d in range(1, n + 1) if n % d == 0), reverse=True)
+
+
+def largest_fitting(effective: int, fits: Callable[[int], bool]) -> int:
+    """The largest divisor of `effective` for which `fits` holds."""
+    for rows in divisors_descending(effective):
+        if fits(rows):
+            return rows
+    raise UserError("batch_size: auto found that not even one row of the longest length fits in memory")
+
+
+def probe_batch(rows: int, length: int, vocab_size: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """A batch of `rows` full-length rows of arbitrary tokens (memory depends on shape, not content)."""
+    generator = torch.Generator().manual_seed(0)
+    return {
+        "input_ids": torch.randint(5, vocab_size, (rows, length), generator=generator).to(device),
+        "attention_mask": torch.ones(rows, length, dtype=torch.long, device=device),
+        "labels": torch.zeros(rows, dtype=torch.long, device=device),
+    }
+
+
+def cuda_fits(model: nn.Module, length: int, vocab_size: int, device: torch.device, precision: ResolvedPrecision):
+    """A probe that runs a real step of `rows` rows and reports whether it ran out of memory."""
+    scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
+
+    def fits(rows: int) -> bool:
+        try:
+            backward_micro_batch(model, probe_batch(rows, length, vocab_size, device), rows, precision, device, scaler)
+            return True
+        except torch.cuda.OutOfMemoryError:
+            return False
+        finally:
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+
+    return fits
+
+
+def cpu_fits(model: nn.Module, length: int, vocab_size: int, precision: ResolvedPrecision, optimizer_factor: float):
+    """A probe that scales one row's measured activation bytes against a share of the available RAM."""
+    meter = SavedActivationMeter()
+    with meter.measure():
+        backward_micro_batch(
+            model,
+            probe_batch(1, length, vocab_size, torch.device("cpu")),
+            1,
+            precision,
+            torch.device("cpu"),
+            torch.amp.GradScaler("cpu", enabled=False),
+        )
+    model.zero_grad(set_to_none=True)
+    # Parameters, gradients and optimizer state are paid once, whatever the batch.
+    fixed = parameter_bytes(model) * (2 + optimizer_factor)
+    budget = psutil.virtual_memory().available * CPU_MEMORY_SHARE
+    return lambda rows: fixed + rows * meter.peak_bytes <= budget
+
+
+def resolve_batch_size(
+    params: Params, model: nn.Module, longest_row: int, device: torch.device, precision: ResolvedPrecision
+) -> Params:
+    """Return params with a concrete micro-batch and accumulation (unchanged unless batch_size is auto)."""
+    if params.batch_size != "auto":
+        return params
+    assert params.effective_batch_size is not None  # the schema requires it with auto
+    model.to(device).train()
+    vocab_size = model.get_input_embeddings().num_embeddings
+    if device.type == "cuda":
+        fits = cuda_fits(model, longest_row, vocab_size, device, precision)
+    else:
+        fits = cpu_fits(
+            model, longest_row, vocab_size, precision, optimizer_factor=2.0 if params.optim == "adamw" else 1.0
+        )
+    rows = largest_fitting(params.effective_batch_size, fits)
+    return apply_overrides(
+        params,
+        {"batch_size": rows, "grad_accum_steps": params.effective_batch_size // rows, "effective_batch_size": None},
+    )
