@@ -156,7 +156,7 @@ def _percentile_ms(values: list[float], q: float) -> float:
 def train_model(
     model: nn.Module,
     train: TokenizedSplit,
-    validation: TokenizedSplit,
+    validation: TokenizedSplit | None,
     params: Params,
     *,
     pad_id: int,
@@ -168,6 +168,8 @@ def train_model(
     say: Callable[[str], None] = print,
 ) -> TrainResult:
     """Train `model` in place for `params.epochs` and return what was measured.
+
+    `validation` (when given) is scored at every epoch's end, inside the measured time.
 
     With `checkpoint_dir`, a checkpoint is written every `checkpoint_every_n_steps` optimizer
     steps and at every epoch's end; a checkpoint made with the same params is resumed from.
@@ -265,11 +267,12 @@ def train_model(
             if params.checkpoint_every_n_steps and state.step % params.checkpoint_every_n_steps == 0:
                 checkpoint()
 
-        val_logits, val_loss = evaluate_split(model, validation, params, pad_id, device, precision)
-        state.val_metrics = {
-            "val_loss": val_loss,
-            "val_accuracy": float((val_logits.argmax(1) == validation.labels).mean()),
-        }
+        if validation is not None:
+            val_logits, val_loss = evaluate_split(model, validation, params, pad_id, device, precision)
+            state.val_metrics = {
+                "val_loss": val_loss,
+                "val_accuracy": float((val_logits.argmax(1) == validation.labels).mean()),
+            }
         state.epoch, state.micro = epoch + 1, 0
         checkpoint()
         if on_epoch_end:
