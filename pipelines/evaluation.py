@@ -107,3 +107,11 @@ def confusion_rows(confusion: np.ndarray, label_names: list[str]) -> list[dict[s
         for j, predicted in enumerate(label_names):
             rows += [{"actual": actual, "predicted": predicted}] * int(confusion[i, j])
     return rows
+
+
+def per_class_rows(metrics: dict[str, float], label_names: list[str]) -> list[dict[str, float | str]]:
+    """One row per class with its precision and recall (DVC plot data)."""
+    return [
+        {"class": name, "precision": metrics[f"test_precision.{name}"], "recall": metrics[f"test_recall.{name}"]}
+        for name in label_names
+    ]

@@ -11,6 +11,18 @@ from pipelines.errors import UserError
 from pipelines.params import ModelParams
 
 
+def resolve_model_name(model: ModelParams, root: Path) -> str:
+    """A local folder (relative to `root`) when one is there, else the hub id; a missing local path fails at once."""
+    assert model.name_or_path is not None
+    local = Path(model.name_or_path).expanduser()
+    local = local if local.is_absolute() else root / local
+    if local.exists():
+        return str(local)
+    if model.name_or_path.startswith((".", "/", "~")):
+        raise UserError(f"model.name_or_path = {model.name_or_path!r}: no such local folder ({local})")
+    return model.name_or_path
+
+
 def build_model(
     model: ModelParams, label_names: list[str], vocab_size: int, max_length: int, root: Path
 ) -> PreTrainedModel:
@@ -33,9 +45,7 @@ def build_model(
             label2id=label2id,
         )
         return BertForSequenceClassification(config)
-    local = Path(model.name_or_path)
-    local = local if local.is_absolute() else root / local
-    name = str(local) if local.exists() else model.name_or_path
+    name = resolve_model_name(model, root)
     try:
         return AutoModelForSequenceClassification.from_pretrained(
             name,

@@ -154,18 +154,90 @@ class ModelParams(StrictModel):
     trust_remote_code: bool = Field(description="Allow a hub model to run its own code (off unless you trust it).")
 
 
+class ChoiceDim(StrictModel):
+    """Sample one of `values` at random."""
+
+    type: Literal["choice"]
+    values: list[Any] = Field(min_length=1, description="The values to choose from.")
+
+
+class GridDim(StrictModel):
+    """Try every one of `values` (a grid axis; multiplies the number of trials)."""
+
+    type: Literal["grid"]
+    values: list[Any] = Field(min_length=1, description="Every value is tried.")
+
+
+class UniformDim(StrictModel):
+    """A float drawn uniformly from [low, high]."""
+
+    type: Literal["uniform"]
+    low: float = Field(description="Lower bound.")
+    high: float = Field(description="Upper bound.")
+
+
+class LogUniformDim(StrictModel):
+    """A float drawn uniformly in log space from [low, high] (learning rates)."""
+
+    type: Literal["loguniform"]
+    low: PositiveFloat = Field(description="Lower bound (> 0).")
+    high: PositiveFloat = Field(description="Upper bound.")
+
+
+class RandIntDim(StrictModel):
+    """An integer drawn uniformly from [low, high)."""
+
+    type: Literal["randint"]
+    low: int = Field(description="Lower bound (included).")
+    high: int = Field(description="Upper bound (excluded).")
+
+
+SearchDim = Annotated[ChoiceDim | GridDim | UniformDim | LogUniformDim | RandIntDim, Field(discriminator="type")]
+
+
+def candidate_values(dim: ChoiceDim | GridDim | UniformDim | LogUniformDim | RandIntDim) -> list[Any]:
+    """Values a dimension can produce at its edges (validated against the schema before any trial)."""
+    if isinstance(dim, ChoiceDim | GridDim):
+        return list(dim.values)
+    if dim.low >= dim.high:
+        raise ValueError(f"low ({dim.low}) must be below high ({dim.high})")
+    return [dim.low, dim.high - 1] if isinstance(dim, RandIntDim) else [dim.low, dim.high]
+
+
+class ResourcesParams(StrictModel):
+    """What one trial reserves on the Ray cluster."""
+
+    cpu: PositiveFloat | None = Field(description="CPUs per trial; null: the machine's cores / max_concurrent_trials.")
+    gpu: NonNegativeFloat | None = Field(
+        description="GPUs per trial (fractions share a GPU); null: 1 with CUDA, else 0."
+    )
+
+
 class TuneParams(StrictModel):
     """How the train stage runs its Ray Tune trials."""
 
     num_samples: PositiveInt = Field(
-        description="Trials per variant (repeats of the same configuration; useful to measure run-to-run spread)."
+        description="Samples drawn from search_space per variant (without one: repeats of one configuration)."
     )
     variants: dict[str, dict[str, Any]] = Field(
         description="Named override sets by dotted key, run as a grid, e.g. {vanilla: {}, bf16: {precision: bf16}}.",
     )
+    search_space: dict[str, SearchDim] = Field(
+        description="Dotted key -> {type: choice|grid|uniform|loguniform|randint, ...}; combined with every variant."
+    )
     max_concurrent_trials: PositiveInt = Field(description="Trials running at the same time.")
-    metric: str = Field(description="Trial metric that picks the best trial.")
+    metric: str = Field(description="Trial metric that picks the best trial (and that ASHA compares).")
     mode: Literal["max", "min"] = Field(description="Whether the metric is maximised or minimised.")
+    scheduler: Literal["fifo", "asha"] = Field(
+        description="fifo runs every trial to the end; asha stops weak ones early."
+    )
+    grace_period: PositiveInt = Field(description="ASHA: epochs every trial runs before it can be stopped.")
+    reduction_factor: float = Field(gt=1.0, description="ASHA: 1/reduction_factor of trials go on at each rung.")
+    resources_per_trial: ResourcesParams = Field(description="CPUs and GPUs each trial reserves.")
+    time_budget_s: PositiveFloat | None = Field(
+        description="Stop starting and running trials after this long; null: none."
+    )
+    address: str | None = Field(description="Ray cluster to join (else RAY_ADDRESS, else a local one); null: local.")
 
 
 class TrackingParams(StrictModel):
@@ -243,7 +315,16 @@ class Params(StrictModel):
 
     @model_validator(mode="after")
     def _variants_are_valid(self) -> Params:
-        # Validate every variant now, so a bad override fails before the first trial starts.
+        # Validate every variant and search dimension now, so a bad one fails before the first trial.
+        base = self.model_copy(update={"tune": self.tune.model_copy(update={"variants": {}, "search_space": {}})})
+        for key, dim in self.tune.search_space.items():
+            if key.split(".")[0] in ("tune", "tracking"):
+                raise ValueError(f"tune.search_space: key {key!r} cannot vary per trial (tune and tracking are shared)")
+            try:
+                for value in candidate_values(dim):
+                    apply_overrides(base, {key: value})
+            except (ParamsError, ValueError) as err:
+                raise ValueError(f"tune.search_space.{key}: {_inner(err)}") from None
         for name, overrides in self.tune.variants.items():
             for key in overrides:
                 if key.split(".")[0] in ("tune", "tracking"):
@@ -252,16 +333,21 @@ class Params(StrictModel):
                         "(tune and tracking settings are shared by all trials)"
                     )
             try:
-                apply_overrides(
-                    self.model_copy(update={"tune": self.tune.model_copy(update={"variants": {}})}), overrides
-                )
+                apply_overrides(base, overrides)
             except ParamsError as err:
-                raise ValueError(f"tune.variants.{name}: {err}") from None
+                raise ValueError(f"tune.variants.{name}: {_inner(err)}") from None
         return self
 
 
 class ParamsError(UserError):
     """params.yaml (or an override) is not valid."""
+
+
+def _inner(err: Exception) -> str:
+    """The problems of a nested validation, without its "... is invalid:" header."""
+    lines = str(err).splitlines()
+    problems = [line.strip().removeprefix("- ") for line in lines[1:]] if len(lines) > 1 else lines
+    return "; ".join(problems)
 
 
 def _describe_error(err: Mapping[str, Any]) -> str:

@@ -7,6 +7,9 @@ printed with `format_metric`, and percentages are against the baseline trial (th
 
 from __future__ import annotations
 
+import base64
+import html
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,52 +158,179 @@ def plot_loss_curves(client: MlflowClient, rows: list[TrialRow], path: Path) -> 
     plt.close(fig)
 
 
-def _padding_section(rows: list[TrialRow]) -> list[str]:
+def plot_tradeoff(rows: list[TrialRow], path: Path) -> None:
+    """Train time against accuracy, bubble size by peak memory, with the Pareto front (faster and better) marked."""
+    finished = [r for r in rows if r.status == "FINISHED" and "test_accuracy" in r.metrics]
+    fig, ax = plt.subplots(figsize=(7, 4.6))
+    times = [r.metrics.get("train_time_s", 0.0) for r in finished]
+    accuracy = [100 * r.metrics["test_accuracy"] for r in finished]
+    memory = [r.metrics.get("peak_memory_bytes", 0.0) / MB for r in finished]
+    largest = max(memory, default=1.0) or 1.0
+    colors = plt.cm.tab10.colors
+    for i, row in enumerate(finished):
+        ax.scatter(
+            times[i],
+            accuracy[i],
+            s=80 + 900 * memory[i] / largest,
+            alpha=0.6,
+            color=colors[i % 10],
+            label=f"{row.name} ({memory[i]:,.0f} MB)",
+            edgecolors="black",
+            linewidths=0.6,
+        )
+    front = pareto_front(times, accuracy)
+    if len(front) > 1:
+        ax.plot([times[i] for i in front], [accuracy[i] for i in front], "k--", linewidth=1, label="Pareto front")
+    ax.set_xlabel("Train time (s)")
+    ax.set_ylabel("Test accuracy (%)")
+    ax.set_title("Time vs accuracy (bubble area: peak memory)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def pareto_front(times: list[float], accuracy: list[float]) -> list[int]:
+    """Indices of trials no other trial beats on both time (lower) and accuracy (higher), fastest first."""
+    front = [
+        i
+        for i in range(len(times))
+        if not any(
+            times[j] <= times[i] and accuracy[j] >= accuracy[i] and (times[j], accuracy[j]) != (times[i], accuracy[i])
+            for j in range(len(times))
+        )
+    ]
+    return sorted(front, key=lambda i: times[i])
+
+
+def plot_throughput(rows: list[TrialRow], path: Path) -> None:
+    """Real (unpadded) tokens per second of training, per trial."""
+    finished = [r for r in rows if r.status == "FINISHED"]
+    fig, ax = plt.subplots(figsize=(7, 0.5 * len(finished) + 2))
+    values = [r.metrics.get("tokens_per_s", 0.0) for r in finished]
+    bars = ax.barh([r.name for r in finished], values, color=plt.cm.tab10.colors[2])
+    ax.bar_label(bars, fmt="%.0f", padding=2, fontsize=8)
+    ax.invert_yaxis()
+    ax.margins(x=0.15)
+    ax.set_xlabel("Training throughput (real tokens/s, padding excluded)")
+    ax.set_ylabel("Trial")
+    ax.set_title("Throughput per trial")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+FIGURES = (
+    ("Speed, memory and accuracy", "comparison.png"),
+    ("Time vs accuracy", "tradeoff.png"),
+    ("Training loss", "loss_curves.png"),
+    ("Throughput", "throughput.png"),
+)
+
+
+@dataclass
+class ReportContent:
+    """Everything the report says, rendered once as markdown and once as HTML."""
+
+    intro: str
+    table: list[list[str]]
+    padding: str | None
+    environment: dict[str, str]
+    not_finished: list[str]
+
+
+def _padding_text(rows: list[TrialRow]) -> str | None:
     metrics = rows[0].metrics if rows else {}
     configured = metrics.get("tokenize.train.pad_fraction_configured")
     fixed = metrics.get("tokenize.train.pad_fraction_fixed")
     if configured is None or fixed is None:
-        return []
-    return [
-        "## Padding (train split)",
-        "",
-        f"Padding fraction of the configured batching: {configured:.1%}; padded to max_length: {fixed:.1%}.",
-        "",
-    ]
+        return None
+    return f"Padding fraction of the configured batching: {configured:.1%}; padded to max_length: {fixed:.1%}."
 
 
-def _environment_section(rows: list[TrialRow]) -> list[str]:
+def _not_finished(row: TrialRow) -> str:
+    if row.status == "KILLED":
+        return f"{row.name} (KILLED): {row.tags.get('stopped', 'stopped before the end')}"
+    return f"{row.name} ({row.status}): {row.tags.get('error', '')[:300]}"
+
+
+def collect_content(rows: list[TrialRow], parent_run_id: str, experiment_id: str) -> ReportContent:
+    """The report's text and table from the stored runs."""
+    baseline = next((r.name for r in rows if r.status == "FINISHED"), "none")
     tags: dict[str, Any] = rows[0].tags if rows else {}
-    env = {k.removeprefix("env."): v for k, v in sorted(tags.items()) if k.startswith("env.")}
-    return ["## Environment", ""] + [f"- {k}: {v}" for k, v in env.items()] + [""]
+    return ReportContent(
+        intro=f"MLflow parent run `{parent_run_id}`, experiment `{experiment_id}`. "
+        f"Percentages are relative to the baseline trial `{baseline}`.",
+        table=comparison_table(rows),
+        padding=_padding_text(rows),
+        environment={k.removeprefix("env."): v for k, v in sorted(tags.items()) if k.startswith("env.")},
+        not_finished=[_not_finished(r) for r in rows if r.status != "FINISHED"],
+    )
+
+
+def render_markdown(content: ReportContent) -> str:
+    """The report as GitHub markdown, images linked beside it."""
+    lines = ["# Fine-tuning report", "", content.intro, "", markdown_table(content.table), ""]
+    lines += [f"![{title}]({name})\n" for title, name in FIGURES]
+    if content.padding:
+        lines += ["## Padding (train split)", "", content.padding, ""]
+    lines += ["## Environment", ""] + [f"- {k}: {v}" for k, v in content.environment.items()] + [""]
+    if content.not_finished:
+        lines += ["## Trials that did not finish", ""] + [f"- {line}" for line in content.not_finished]
+    return "\n".join(lines) + "\n"
+
+
+def render_html(content: ReportContent, image_dir: Path) -> str:
+    """The report as one self-contained HTML page: images embedded as data URIs, no external files."""
+    esc = html.escape
+
+    def code(text: str) -> str:
+        return re.sub(r"`([^`]*)`", r"<code>\1</code>", esc(text))
+
+    head, *body = content.table
+    table = "<table><thead><tr>" + "".join(f"<th>{esc(c)}</th>" for c in head) + "</tr></thead><tbody>"
+    table += "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in body) + "</tbody></table>"
+    figures = "".join(
+        f'<figure><img alt="{esc(title)}" src="data:image/png;base64,'
+        f'{base64.b64encode((image_dir / name).read_bytes()).decode()}"><figcaption>{esc(title)}</figcaption></figure>'
+        for title, name in FIGURES
+    )
+    parts = [f"<h1>Fine-tuning report</h1><p>{code(content.intro)}</p>", table, figures]
+    if content.padding:
+        parts.append(f"<h2>Padding (train split)</h2><p>{esc(content.padding)}</p>")
+    parts.append(
+        "<h2>Environment</h2><ul>"
+        + "".join(f"<li>{esc(k)}: {esc(v)}</li>" for k, v in content.environment.items())
+        + "</ul>"
+    )
+    if content.not_finished:
+        parts.append(
+            "<h2>Trials that did not finish</h2><ul>"
+            + "".join(f"<li>{esc(x)}</li>" for x in content.not_finished)
+            + "</ul>"
+        )
+    style = (
+        "body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}"
+        "table{border-collapse:collapse;margin:1em 0}th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}"
+        "th:first-child,td:first-child{text-align:left}thead{background:#f3f3f3}"
+        "figure{margin:1.5em 0}img{max-width:100%}figcaption{color:#666;font-size:.9em}"
+    )
+    return (
+        f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>Fine-tuning report</title>'
+        f"<style>{style}</style></head><body>{''.join(parts)}</body></html>\n"
+    )
 
 
 def build_report(client: MlflowClient, experiment_id: str, parent_run_id: str, out_dir: Path) -> str:
-    """Write report.md and its PNGs into `out_dir`; return the markdown."""
+    """Write report.md, report.html and the PNGs into `out_dir`; return the markdown."""
     rows = load_rows(client, experiment_id, parent_run_id)
     plot_comparison(rows, out_dir / "comparison.png")
+    plot_tradeoff(rows, out_dir / "tradeoff.png")
     plot_loss_curves(client, rows, out_dir / "loss_curves.png")
-    failed = [r for r in rows if r.status != "FINISHED"]
-    baseline = next((r.name for r in rows if r.status == "FINISHED"), "none")
-    lines = [
-        "# Fine-tuning report",
-        "",
-        f"MLflow parent run `{parent_run_id}`, experiment `{experiment_id}`. "
-        f"Percentages are relative to the baseline trial `{baseline}`.",
-        "",
-        markdown_table(comparison_table(rows)),
-        "",
-        "![Speed, memory and accuracy](comparison.png)",
-        "",
-        "![Training loss](loss_curves.png)",
-        "",
-        *_padding_section(rows),
-        *_environment_section(rows),
-    ]
-    if failed:
-        lines += ["## Failed trials", ""] + [
-            f"- {r.name} ({r.status}): {r.tags.get('error', '')[:300]}" for r in failed
-        ]
-    markdown = "\n".join(lines) + "\n"
+    plot_throughput(rows, out_dir / "throughput.png")
+    content = collect_content(rows, parent_run_id, experiment_id)
+    markdown = render_markdown(content)
     (out_dir / "report.md").write_text(markdown, encoding="utf-8")
+    (out_dir / "report.html").write_text(render_html(content, out_dir), encoding="utf-8")
     return markdown

@@ -13,6 +13,8 @@ import os
 import platform
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -50,9 +52,28 @@ def artifact_root(tracking_uri: str, root: Path) -> str | None:
     return None
 
 
+def check_server(configured: str, uri: str, timeout_s: float = 5.0) -> None:
+    """Fail in seconds when a tracking server does not answer (MLflow's own client retries for minutes)."""
+    try:
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s) as response:
+            if response.status == 200:
+                return
+            problem = f"HTTP {response.status}"
+    except urllib.error.HTTPError as err:
+        problem = f"HTTP {err.code}"
+    except OSError as err:
+        problem = str(getattr(err, "reason", err))
+    raise UserError(
+        f"tracking.uri = {configured!r}: the MLflow server is unreachable ({problem}); start it "
+        "(mlflow server --host 127.0.0.1 --port PORT) or use the default sqlite:///mlflow.db"
+    )
+
+
 def open_experiment(tracking: TrackingParams, root: Path) -> tuple[MlflowClient, str]:
     """Return a client and the experiment id, creating the experiment once if needed."""
     uri = resolve_tracking_uri(tracking.uri, root)
+    if uri.startswith(("http://", "https://")):
+        check_server(tracking.uri, uri)
     try:
         client = MlflowClient(tracking_uri=uri)
         experiment = client.get_experiment_by_name(tracking.experiment)
@@ -126,6 +147,7 @@ class RunLogger:
         self.run_id = run_id
         self.flush_every = flush_every
         self._pending: list[Metric] = []
+        self._in_flight: list[Any] = []
 
     def log_dict(self, metrics: Mapping[str, float], step: int = 0) -> None:
         """Queue metrics at `step`; flushes once enough have piled up."""
@@ -139,16 +161,21 @@ class RunLogger:
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()], synchronous=True)
 
     def flush(self) -> None:
-        """Send everything queued."""
+        """Hand everything queued to MLflow's background logger (training does not wait for the store)."""
         while self._pending:
             chunk, self._pending = self._pending[:_MAX_METRICS_PER_BATCH], self._pending[_MAX_METRICS_PER_BATCH:]
-            self.client.log_batch(self.run_id, metrics=chunk, synchronous=True)
+            operation = self.client.log_batch(self.run_id, metrics=chunk, synchronous=False)
+            if operation is not None:
+                self._in_flight.append(operation)
 
     def close(self, status: str = "FINISHED") -> None:
-        """Flush and end the run with `status` (FINISHED, FAILED or KILLED)."""
+        """Flush, wait until every batch is stored, and end the run with `status` (FINISHED, FAILED or KILLED)."""
         try:
             self.flush()
+            for operation in self._in_flight:
+                operation.wait()
         finally:
+            self._in_flight = []
             self.client.set_terminated(self.run_id, status=status)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from ray import tune
 from transformers import AutoTokenizer
 
@@ -50,6 +51,7 @@ class TrialContext:
     experiment_id: str
     parent_run_id: str
     threads: int
+    scheduler: str
     tokenize_stats: dict[str, float]
 
 
@@ -82,12 +84,15 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
         context.parent_run_id,
     )
     logger = RunLogger(client, run_id)
+    system_metrics = SystemMetricsMonitor(run_id, sampling_interval=5, tracking_uri=context.tracking_uri)
+    system_metrics.start()
     status = "FAILED"
     try:
         overrides = trial_overrides(config, context.variants)
         params = apply_overrides(Params.model_validate(context.params), overrides, source=f"variant {variant!r}")
         log_params(client, run_id, params)
         logger.log_tags({**environment_tags(), "overrides": json.dumps(overrides, sort_keys=True)})
+        client.log_text(run_id, json.dumps(params.model_dump(mode="json"), indent=2), PARAMS_FILE)
         logger.log_dict(context.tokenize_stats)
         metrics = _train_and_save(params, context, variant, trial_id, logger, run_id)
         logger.log_dict(metrics, step=int(metrics["optimizer_steps"]))
@@ -97,7 +102,13 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
         message = str(err) if isinstance(err, UserError) else traceback.format_exc(limit=5)
         logger.log_tags({"error": message[:5000]})
         raise
+    except BaseException:
+        # Ray ends a trial's thread with SystemExit when the scheduler (ASHA) stops it early.
+        status = "KILLED"
+        logger.log_tags({"stopped": f"stopped early by the {context.scheduler} scheduler"})
+        raise
     finally:
+        system_metrics.finish()
         logger.close(status)
     # Reported after the run is closed: Tune may end this thread (SystemExit) once it has the last result.
     tune.report({**metrics, "mlflow_run_id": run_id, "variant": variant, FINAL_KEY: 1})

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.errors import UserError
-from pipelines.params import Params
+from pipelines.params import ChoiceDim, GridDim, LogUniformDim, Params, SearchDim, UniformDim
 from pipelines.tracking import (
     close_dangling_children,
     git_commit,
@@ -40,24 +40,64 @@ _NON_METRIC_KEYS = {
 }
 
 
-def init_ray(num_cpus: int) -> None:
-    """Join the cluster named by RAY_ADDRESS, or start a local one sized to this machine, dashboard off."""
+def init_ray(num_cpus: int, address: str | None) -> None:
+    """Join the cluster at `address` (or RAY_ADDRESS), else start a local one sized to this machine, dashboard off."""
     import ray
 
     if ray.is_initialized():
         return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
     else:
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, configure_logging=False)
 
 
-def _param_space(params: Params) -> dict[str, Any]:
+def _dimension(dim: SearchDim) -> Any:
     from ray import tune
 
-    if params.tune.variants:
-        return {"variant": tune.grid_search(list(params.tune.variants))}
-    return {"variant": "default"}
+    if isinstance(dim, GridDim):
+        return tune.grid_search(dim.values)
+    if isinstance(dim, ChoiceDim):
+        return tune.choice(dim.values)
+    if isinstance(dim, UniformDim):
+        return tune.uniform(dim.low, dim.high)
+    if isinstance(dim, LogUniformDim):
+        return tune.loguniform(dim.low, dim.high)
+    return tune.randint(dim.low, dim.high)
+
+
+def param_space(params: Params) -> dict[str, Any]:
+    """Ray's search space: the variants as a grid axis, then every search dimension by dotted key."""
+    from ray import tune
+
+    variant = tune.grid_search(list(params.tune.variants)) if params.tune.variants else "default"
+    return {"variant": variant, **{key: _dimension(dim) for key, dim in params.tune.search_space.items()}}
+
+
+def trial_resources(params: Params, cpus: int) -> dict[str, float]:
+    """CPUs and GPUs per trial: as declared, else an even share of the cores and one GPU when CUDA is present."""
+    import torch
+
+    declared = params.tune.resources_per_trial
+    cpu = declared.cpu or max(1, cpus // params.tune.max_concurrent_trials)
+    gpu = declared.gpu if declared.gpu is not None else (1.0 if torch.cuda.is_available() else 0.0)
+    return {"cpu": cpu, "gpu": gpu}
+
+
+def _scheduler(params: Params) -> Any:
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    if params.tune.scheduler == "fifo":
+        return FIFOScheduler()
+    # Trials report once per epoch, then once more after evaluating and saving; max_t is one past
+    # the epochs so ASHA never stops a trial at its last epoch, before its model is saved.
+    return ASHAScheduler(
+        time_attr="training_iteration",
+        max_t=params.epochs + 1,
+        grace_period=params.tune.grace_period,
+        reduction_factor=params.tune.reduction_factor,
+    )
 
 
 def run_tuning(
@@ -78,7 +118,7 @@ def run_tuning(
     log_params(client, parent_run_id, params)
 
     cpus = os.cpu_count() or 1
-    threads = max(1, cpus // params.tune.max_concurrent_trials)
+    resources = trial_resources(params, cpus)
     staging = out_dir / "trials"
     context = TrialContext(
         params=params.model_dump(mode="json"),
@@ -90,18 +130,27 @@ def run_tuning(
         tracking_uri=tracking_uri,
         experiment_id=experiment_id,
         parent_run_id=parent_run_id,
-        threads=threads,
+        threads=max(1, int(resources["cpu"])),
+        scheduler=params.tune.scheduler,
         tokenize_stats=tokenize_stats,
     )
     status = "FAILED"
     try:
-        init_ray(cpus)
+        init_ray(cpus, params.tune.address)
+        from ray.tune.search import BasicVariantGenerator
+
         tuner = tune.Tuner(
-            tune.with_resources(tune.with_parameters(run_trial, context=context), {"cpu": threads}),
-            param_space=_param_space(params),
+            tune.with_resources(tune.with_parameters(run_trial, context=context), resources),
+            param_space=param_space(params),
             tune_config=tune.TuneConfig(
+                metric=params.tune.metric,
+                mode=params.tune.mode,
                 num_samples=params.tune.num_samples,
                 max_concurrent_trials=params.tune.max_concurrent_trials,
+                scheduler=_scheduler(params),
+                # Seeded sampling: the same params draw the same trial configurations.
+                search_alg=BasicVariantGenerator(random_state=params.seed),
+                time_budget_s=params.tune.time_budget_s,
             ),
             run_config=tune.RunConfig(
                 name=f"train-{parent_run_id[:8]}",
@@ -114,6 +163,8 @@ def run_tuning(
         best = summary["best"]
         shutil.move(str(staging / best["trial_id"]), str(out_dir / BEST_DIR))
         shutil.rmtree(staging, ignore_errors=True)
+        client.log_artifacts(best["mlflow_run_id"], str(out_dir / BEST_DIR), artifact_path="model")
+        client.set_tag(parent_run_id, "best_run_id", best["mlflow_run_id"])
         (out_dir / TRIALS_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         client.log_artifact(parent_run_id, str(out_dir / TRIALS_FILE))
         status = "FINISHED"
@@ -123,20 +174,27 @@ def run_tuning(
         client.set_terminated(parent_run_id, status=status)
 
 
+def _last_line(error: BaseException) -> str:
+    # Ray wraps the trial's exception; its last line is the user-facing message.
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
 def _summarize(
     results: Any, params: Params, parent_run_id: str, experiment_id: str, tracking_uri: str
 ) -> dict[str, Any]:
     metric, mode = params.tune.metric, params.tune.mode
-    trials, failures = [], []
+    trials, failures, stopped = [], [], []
     for result in results:
-        if result.error is not None or not (result.metrics or {}).get(FINAL_KEY):
+        last = result.metrics or {}
+        if result.error is not None:
             failures.append(
-                {
-                    "trial": (result.metrics or {}).get("trial_id", "?"),
-                    "config": result.config,
-                    "error": str(result.error).splitlines()[-1:],
-                }
+                {"trial": last.get("trial_id", "?"), "config": result.config, "error": _last_line(result.error)}
             )
+            continue
+        if not last.get(FINAL_KEY):
+            # Stopped by the scheduler (ASHA) after its last report: not a failure, not a candidate.
+            stopped.append({"trial": last.get("trial_id", "?"), "config": result.config, metric: last.get(metric)})
             continue
         m = result.metrics
         trials.append(
@@ -149,7 +207,7 @@ def _summarize(
             }
         )
     if not trials:
-        details = "; ".join(f"{f['config']}: {' '.join(f['error'])}" for f in failures)
+        details = "; ".join(f"{f['config']}: {f['error']}" for f in failures)
         raise UserError(f"every trial failed: {details}")
     if metric not in trials[0]["metrics"]:
         raise UserError(
@@ -166,6 +224,7 @@ def _summarize(
         "best": best,
         "trials": trials,
         "failed": failures,
+        "stopped_early": stopped,
     }
 
 
@@ -178,3 +237,15 @@ def tokenize_metrics(stats: dict[str, Any]) -> dict[str, float]:
         else:
             flat[f"tokenize.{key}"] = float(value)
     return flat
+
+
+def best_trial_metrics(summary: dict[str, Any]) -> dict[str, Any]:
+    """The DVC metrics of a train run: the best trial's name, its sampled/variant settings and its metrics."""
+    best = summary["best"]
+    config = {f"best.{k}": v for k, v in best["config"].items()}
+    counts = {
+        "trials.finished": len(summary["trials"]),
+        "trials.failed": len(summary["failed"]),
+        "trials.stopped_early": len(summary["stopped_early"]),
+    }
+    return {"variant": best["variant"], "mlflow_run_id": best["mlflow_run_id"], **config, **counts, **best["metrics"]}

@@ -14,18 +14,21 @@ BEST_MODEL = Path("models/best")
 TRIALS = Path("models/trials.json")
 METRICS = Path("metrics/evaluate.json")
 CONFUSION = Path("plots/confusion.json")
+PER_CLASS = Path("plots/per_class.json")
 PREDICTIONS = Path("predictions/test.csv")
 
 
 def main() -> None:
     params = load_params()
     from pipelines.data.tokenization import load_label_names
-    from pipelines.evaluation import confusion_rows, evaluate_saved_model
+    from pipelines.evaluation import confusion_rows, evaluate_saved_model, per_class_rows
     from pipelines.tracking import log_evaluation, tracking_client
 
     result = evaluate_saved_model(BEST_MODEL, TOKENIZED)
     atomic_write_text(PREDICTIONS, result.predictions.to_csv(index=False))
-    atomic_write_json(CONFUSION, confusion_rows(result.confusion, load_label_names(BEST_MODEL)))
+    names = load_label_names(BEST_MODEL)
+    atomic_write_json(CONFUSION, confusion_rows(result.confusion, names))
+    atomic_write_json(PER_CLASS, per_class_rows(result.metrics, names))
     atomic_write_json(METRICS, result.metrics)
     best_run_id = json.loads(TRIALS.read_text())["best"]["mlflow_run_id"]
     log_evaluation(

@@ -22,6 +22,7 @@ def main() -> None:
     client = tracking_client(params.tracking, resolve_repo_root())
     with atomic_dir(OUT_DIR) as tmp:
         build_report(client, summary["experiment_id"], summary["parent_run_id"], tmp)
+    client.log_artifacts(summary["parent_run_id"], str(OUT_DIR), artifact_path="report")
 
 
 if __name__ == "__main__":

@@ -19,14 +19,13 @@ PLOT = Path("plots/train_loss.json")
 def main() -> None:
     params = load_params()
     from pipelines.train.device import check_runtime
-    from pipelines.tuning import BEST_DIR, run_tuning, tokenize_metrics
+    from pipelines.tuning import BEST_DIR, best_trial_metrics, run_tuning, tokenize_metrics
 
     check_runtime(params)
     stats = tokenize_metrics(json.loads(TOKENIZE_METRICS.read_text()))
     with atomic_dir(OUT_DIR) as tmp:
         summary = run_tuning(params, resolve_repo_root(), TOKENIZED, tmp, stats)
-    best = summary["best"]
-    atomic_write_json(METRICS, {"variant": best["variant"], "mlflow_run_id": best["mlflow_run_id"], **best["metrics"]})
+    atomic_write_json(METRICS, best_trial_metrics(summary))
     atomic_write_json(PLOT, json.loads((OUT_DIR / BEST_DIR / "history.json").read_text()))
 
 

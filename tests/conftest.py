@@ -77,3 +77,26 @@ def project_copy(tmp_path: Path) -> Path:
     run(["git", "add", "-A"], dest)
     run(["git", "commit", "-qm", "initial"], dest)
     return dest
+
+
+def write_params(root: Path, overrides: dict[str, Any]) -> None:
+    """Set dotted-key overrides in `root/params.yaml` (what `dvc exp run -S` does)."""
+    import yaml
+
+    from pipelines.params import set_dotted
+
+    path = root / "params.yaml"
+    tree = yaml.safe_load(path.read_text())
+    for key, value in overrides.items():
+        set_dotted(tree, key, value)
+    path.write_text(yaml.safe_dump(tree, sort_keys=False))
+
+
+# Small, fast settings for tests that run many trials (the corpus is still the generated one).
+QUICK = {"data.generator.num_rows": 1500, "epochs": 1, "log_every_n_steps": 5}
+FOUR_VARIANTS = {
+    "vanilla": {"data.bucketing": False},
+    "bf16": {"precision": "bf16"},
+    "adafactor": {"optim": "adafactor"},
+    "accumulation": {"batch_size": 8, "grad_accum_steps": 4},
+}

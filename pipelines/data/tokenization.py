@@ -65,10 +65,9 @@ def train_word_tokenizer(texts: Sequence[str], vocab_size: int) -> PreTrainedTok
 
 def load_pretrained_tokenizer(model: ModelParams, root: Path) -> PreTrainedTokenizerBase:
     """Load the named model's fast tokenizer from a local folder or the hub."""
-    assert model.name_or_path is not None
-    local = Path(model.name_or_path)
-    local = local if local.is_absolute() else root / local
-    name = str(local) if local.exists() else model.name_or_path
+    from pipelines.model import resolve_model_name
+
+    name = resolve_model_name(model, root)
     try:
         return AutoTokenizer.from_pretrained(name, use_fast=True, trust_remote_code=model.trust_remote_code)
     except (OSError, ValueError) as err:

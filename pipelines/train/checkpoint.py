@@ -30,7 +30,8 @@ class LoopState:
     """Where the loop is and what it has counted so far (saved in every checkpoint)."""
 
     epoch: int = 0
-    micro: int = 0  # micro-batches of `epoch` already consumed
+    window: int = 0  # accumulation windows (optimizer steps) of `epoch` already done
+    oom_halvings: int = 0  # times micro-batches were halved after running out of memory
     step: int = 0  # optimizer steps taken
     rows_seen: int = 0
     tokens_seen: int = 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 
 from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator
 from pipelines.data.tokenization import TokenizedSplit
+from pipelines.errors import UserError
 from pipelines.params import Params
 from pipelines.train.checkpoint import LoopState, find_resumable, restore, save_checkpoint
 from pipelines.train.device import ResolvedPrecision, autocast_context
@@ -36,6 +37,9 @@ from pipelines.train.memory import (
     peak_rss_bytes,
 )
 from pipelines.train.optim import build_optimizer, build_scheduler
+
+# Out-of-memory errors that training recovers from by halving micro-batches.
+OUT_OF_MEMORY: tuple[type[BaseException], ...] = (torch.cuda.OutOfMemoryError,)
 
 # Saved-activation hooks cost Python time per op, so they run on the first optimizer
 # step only; the sampler puts the longest batch first, so that step holds the peak.
@@ -83,11 +87,6 @@ def make_loader(
     )
 
 
-def window_rows(batches: list[list[int]], accum: int) -> list[int]:
-    """Rows in each accumulation window; the last window may be partial."""
-    return [sum(len(b) for b in batches[i : i + accum]) for i in range(0, len(batches), accum)]
-
-
 def forward_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Logits of a batch already on the model's device."""
     return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -114,6 +113,52 @@ def backward_micro_batch(
     loss = F.cross_entropy(logits.float(), batch["labels"], reduction="sum") / rows_in_window
     scaler.scale(loss).backward()
     return loss.detach()
+
+
+def plan_windows(batches: list[list[int]], accum: int, halvings: int = 0) -> list[list[list[int]]]:
+    """Group an epoch's batches into accumulation windows (the last may be partial).
+
+    Each batch is halved `halvings` times (after out-of-memory): same windows, smaller micro-batches.
+    """
+    windows = [batches[i : i + accum] for i in range(0, len(batches), accum)]
+    for _ in range(halvings):
+        windows = halve_windows(windows, 0)
+    return windows
+
+
+def halve_windows(windows: list[list[list[int]]], start: int) -> list[list[list[int]]]:
+    """Split every batch of windows[start:] in two: the same rows per window, half per micro-batch."""
+    halved = [
+        [part for batch in window for part in (batch[: len(batch) // 2], batch[len(batch) // 2 :]) if part]
+        for window in windows[start:]
+    ]
+    return windows[:start] + halved
+
+
+def accumulate_window(
+    model: nn.Module,
+    loader: Iterator[dict[str, torch.Tensor]],
+    window: list[list[int]],
+    precision: ResolvedPrecision,
+    device: torch.device,
+    scaler: torch.amp.GradScaler,
+    meter: SavedActivationMeter | None,
+) -> tuple[torch.Tensor, tuple[int, int, float]]:
+    """Forward and backward every micro-batch of one window; return its loss and (rows, real tokens, data wait s)."""
+    rows_in_window = sum(len(batch) for batch in window)
+    total = torch.zeros((), device=device)
+    rows = tokens = 0
+    wait = 0.0
+    for _ in window:
+        fetch = time.perf_counter()
+        batch = next(loader)
+        wait += time.perf_counter() - fetch
+        rows += len(batch["labels"])
+        tokens += int(batch["num_tokens"])  # counted on the host copy: no device sync
+        batch = to_device(batch, device)
+        with meter.measure() if meter is not None else nullcontext():
+            total += backward_micro_batch(model, batch, rows_in_window, precision, device, scaler)
+    return total, (rows, tokens, wait)
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -219,26 +264,39 @@ def train_model(
     start = time.perf_counter()
     while state.epoch < params.epochs:
         epoch = state.epoch
-        batches = sampler.batches(epoch)
-        windows = window_rows(batches, accum)
-        # Resuming mid-epoch: the batch list is deterministic, so skip what was consumed.
-        loader = iter(make_loader(train, batches[state.micro :], params, pad_id, device))
+        windows = plan_windows(sampler.batches(epoch), accum, halvings=state.oom_halvings)
+        loader = None
         step_start = time.perf_counter()
-        for micro in range(state.micro, len(batches)):
-            fetch = time.perf_counter()
-            batch = next(loader)
-            state.data_wait_s += time.perf_counter() - fetch
-            state.rows_seen += len(batch["labels"])
-            state.tokens_seen += int(batch["num_tokens"])
-            batch = to_device(batch, device)
-            last_in_window = (micro + 1) % accum == 0 or micro == len(batches) - 1
-
-            measure = activations.measure() if state.step < _ACTIVATION_MEASURE_STEPS else nullcontext()
-            with measure:
-                loss = backward_micro_batch(forward_model, batch, windows[micro // accum], precision, device, scaler)
-            logged_loss += loss
-            if not last_in_window:
+        while state.window < len(windows):
+            if loader is None:
+                # Resuming mid-epoch: the window plan is deterministic, so skip the windows already done.
+                remaining = [batch for window in windows[state.window :] for batch in window]
+                loader = iter(make_loader(train, remaining, params, pad_id, device))
+            measure = activations if state.step < _ACTIVATION_MEASURE_STEPS else None
+            try:
+                window_loss, counts = accumulate_window(
+                    forward_model, loader, windows[state.window], precision, device, scaler, measure
+                )
+            except OUT_OF_MEMORY:
+                optimizer.zero_grad(set_to_none=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                rows = max(len(b) for b in windows[state.window])
+                if rows == 1:
+                    raise UserError("out of memory with one row per micro-batch; lower data.max_length") from None
+                # Same rows per optimizer step, half per micro-batch: the effective batch is unchanged.
+                windows = halve_windows(windows, state.window)
+                state.oom_halvings += 1
+                loader = None
+                say(
+                    f"out of memory on a micro-batch of {rows} rows: micro-batches halved, accumulation doubled "
+                    f"(x{2**state.oom_halvings} since the start); the step is redone"
+                )
                 continue
+            logged_loss += window_loss
+            state.rows_seen += counts[0]
+            state.tokens_seen += counts[1]
+            state.data_wait_s += counts[2]
 
             if params.max_grad_norm is not None:
                 scaler.unscale_(optimizer)
@@ -251,7 +309,7 @@ def train_model(
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             state.step += 1
-            state.micro = micro + 1
+            state.window += 1
             state.logged_windows += 1
             now = time.perf_counter()
             state.step_times.append(now - step_start)
@@ -273,7 +331,7 @@ def train_model(
                 "val_loss": val_loss,
                 "val_accuracy": float((val_logits.argmax(1) == validation.labels).mean()),
             }
-        state.epoch, state.micro = epoch + 1, 0
+        state.epoch, state.window = epoch + 1, 0
         checkpoint()
         if on_epoch_end:
             on_epoch_end(epoch + 1, state.step, state.val_metrics)
@@ -294,6 +352,7 @@ def _final_metrics(
         "step_time_p90_ms": _percentile_ms(state.step_times, 90),
         "data_wait_fraction": state.data_wait_s / train_time,
         "optimizer_steps": state.step,
+        "oom_halvings": state.oom_halvings,
         "final_train_loss": state.history[-1]["loss"] if state.history else float("nan"),
         "param_bytes": parameter_bytes(model),
         "grad_bytes": state.peak_grad_bytes,

@@ -30,8 +30,8 @@ def build_optimizer(
     """Build the named optimizer over `model`'s trainable parameters."""
     groups = _param_groups(model, weight_decay)
     if name == "adamw":
-        # fused runs one kernel for all parameters on CUDA; foreach batches them on CPU.
-        fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        # fused runs one kernel per parameter group (CUDA and, since torch 2.4, CPU): the fastest step.
+        fast = {"fused": True}
         return torch.optim.AdamW(groups, lr=lr, **fast)
     if name == "adafactor":
         from transformers.optimization import Adafactor

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from mlflow.tracking import MlflowClient
 
+from pipelines.report import COLUMNS, format_metric
 from tests.conftest import run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -61,6 +62,16 @@ def test_repro_noop_exp_run_and_bad_values(project_copy: Path):
     assert 0.5 < evaluate["test_accuracy"] < 0.98  # learns, and the corpus is not trivially separable
     report = (root / "reports/report.md").read_text()
     assert "| default |" in report and "Train time" in report and "Peak memory" in report
+
+    # The report's numbers are the DVC metrics and the MLflow metrics, under one rounding rule.
+    accuracy = next(c for c in COLUMNS if c.metric == "test_accuracy")
+    best_run = json.loads((root / "metrics/train.json").read_text())["mlflow_run_id"]
+    stored = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}").get_run(best_run).data.metrics
+    assert stored["test_accuracy"] == evaluate["test_accuracy"]
+    assert f"| {format_metric(evaluate['test_accuracy'], accuracy)} |" in report
+    plots = run(["dvc", "plots", "show", "-o", str(root.parent / "plots_html")], root)
+    page = (root.parent / "plots_html" / "index.html").read_text()
+    assert "Confusion matrix" in page and "Training loss" in page, plots.stdout
 
     # 2. A second repro does nothing, in seconds.
     start = time.monotonic()

@@ -67,3 +67,58 @@ def test_report_files_are_written_with_real_plots(tmp_path: Path):
         image = mpimg.imread(out / png)
         assert image.shape[0] > 200 and image.shape[1] > 400
         assert image[..., :3].std() > 0.05  # not blank
+
+
+def colored_pixels(png: Path) -> int:
+    """Pixels with clear colour (plot bars and lines), as opposed to black, grey and white text and page."""
+    image = mpimg.imread(png)[..., :3]
+    return int(((image.max(axis=2) - image.min(axis=2)) > 0.25).sum())
+
+
+def screenshot(chromium: str, page: Path, out: Path) -> Path:
+    import subprocess
+
+    subprocess.run(
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={out.parent / ('profile-' + out.stem)}",
+            "--window-size=1300,3000",
+            f"--screenshot={out}",
+            page.as_uri(),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    return out
+
+
+def test_html_report_is_self_contained_and_shows_its_images_in_chromium(tmp_path: Path):
+    import re
+    import shutil
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert chromium, "Chromium is needed for this test (.ci/run installs Debian's chromium)"
+    client, experiment_id, parent = make_store(tmp_path)
+    out = tmp_path / "reports"
+    out.mkdir()
+    build_report(client, experiment_id, parent, out)
+    page = (out / "report.html").read_text()
+    assert page.count('src="data:image/png;base64,') == 4 and not re.search(r'src="(?!data:)', page)
+    # Move the page away from its PNGs: it must not need them.
+    alone = tmp_path / "alone" / "report.html"
+    alone.parent.mkdir()
+    alone.write_text(page)
+    broken = tmp_path / "alone" / "broken.html"
+    broken.write_text(re.sub(r'src="data:image/png;base64,[^"]*"', 'src="missing.png"', page))
+    with_images = colored_pixels(screenshot(chromium, alone, tmp_path / "shot.png"))
+    without = colored_pixels(screenshot(chromium, broken, tmp_path / "broken.png"))
+    assert with_images > 20_000 and with_images > 20 * max(without, 1), (with_images, without)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator
-from pipelines.train.engine import backward_micro_batch, train_model, window_rows
+from pipelines.train.engine import backward_micro_batch, halve_windows, plan_windows, train_model
 from pipelines.train.memory import SavedActivationMeter, optimizer_state_bytes, parameter_bytes
 from pipelines.train.optim import build_optimizer
 from tests.conftest import tiny_params
@@ -52,7 +52,7 @@ def test_k_accumulated_micro_batches_equal_one_big_batch(bucketing):
 def test_last_partial_window_is_weighted_by_its_own_rows():
     split = tiny_split(rows=40)
     batches = LengthGroupedBatchSampler(split.lengths, 8, seed=2).batches(0)  # 5 batches
-    windows = window_rows(batches, 2)
+    windows = [sum(len(b) for b in window) for window in plan_windows(batches, 2)]
     assert windows == [16, 16, 8]  # the last window holds one batch of 8 rows
     model = tiny_model()
     partial = accumulated_gradients(model, split, batches[4:], windows[-1])
@@ -210,3 +210,47 @@ def test_checkpoint_made_with_other_params_is_not_resumed(default_params, tmp_pa
         say=messages.append,
     )
     assert "different params (lr: 0.001 -> 0.0005): starting fresh" in messages[0]
+
+
+def test_halving_keeps_every_window_s_rows():
+    windows = plan_windows([[0, 1, 2, 3], [4, 5, 6], [7]], 2)
+    halved = halve_windows(windows, 1)
+    assert halved[0] == [[0, 1, 2, 3], [4, 5, 6]] and halved[1] == [[7]]
+    assert halve_windows(windows, 0)[0] == [[0, 1], [2, 3], [4], [5, 6]]
+
+
+class OutOfMemoryAbove(torch.nn.Module):
+    """Wraps a model; raises CUDA's out-of-memory error for micro-batches above `limit` rows (injected OOM)."""
+
+    def __init__(self, model, limit: int):
+        super().__init__()
+        self.model, self.limit, self.raised = model, limit, 0
+
+    def forward(self, input_ids, attention_mask):
+        if len(input_ids) > self.limit:
+            self.raised += 1
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+        return self.model(input_ids=input_ids, attention_mask=attention_mask)
+
+    def get_input_embeddings(self):
+        return self.model.get_input_embeddings()
+
+
+def test_out_of_memory_halves_micro_batches_and_keeps_the_effective_batch(default_params, monkeypatch):
+    params = tiny_params(default_params, **{"epochs": 2, "batch_size": 32, "log_every_n_steps": 1, "warmup_ratio": 0.0})
+    data = tiny_split(rows=160, seed=3), None  # training only: the wrapper would also refuse big eval batches
+    torch.manual_seed(0)
+    reference = train_model(tiny_model(), *data, params, pad_id=0, device=CPU, precision="fp32", say=lambda _: None)
+    torch.manual_seed(0)
+    wrapped = OutOfMemoryAbove(tiny_model(), limit=8)
+    monkeypatch.setattr(
+        "pipelines.train.engine.forward_logits",
+        lambda model, batch: model(batch["input_ids"], batch["attention_mask"]).logits,
+    )
+    messages: list[str] = []
+    result = train_model(wrapped, *data, params, pad_id=0, device=CPU, precision="fp32", say=messages.append)
+    assert wrapped.raised == 2 and result.metrics["oom_halvings"] == 2  # 32 -> 16 -> 8 rows
+    assert "micro-batches halved, accumulation doubled" in messages[0]
+    assert result.metrics["optimizer_steps"] == reference.metrics["optimizer_steps"]  # same effective batch
+    for ours, theirs in zip(result.history, reference.history, strict=True):
+        assert abs(ours["loss"] - theirs["loss"]) < 1e-5

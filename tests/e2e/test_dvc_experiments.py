@@ -1,0 +1,79 @@
+"""DVC-driven comparisons: a strategy grid in one `dvc repro`, and queued experiments in temporary copies."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import run, write_params
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+STRATEGIES = {
+    "vanilla": {"data.bucketing": False},
+    "bf16": {"precision": "bf16"},
+    "accumulation": {"batch_size": 8, "grad_accum_steps": 4},
+    "checkpointing": {"grad_checkpointing": True},
+    "adafactor": {"optim": "adafactor"},
+    "all": {
+        "precision": "bf16",
+        "batch_size": 8,
+        "grad_accum_steps": 4,
+        "grad_checkpointing": True,
+        "optim": "adafactor",
+    },
+}
+
+
+def report_rows(report: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in report.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| ") and cells[0] in STRATEGIES:
+            rows[cells[0]] = cells
+    return rows
+
+
+def test_strategy_grid_in_one_dvc_repro_reports_relative_to_vanilla(project_copy: Path):
+    write_params(project_copy, {"tune.variants": STRATEGIES, "tune.max_concurrent_trials": 2, "epochs": 2})
+    run(["dvc", "repro"], project_copy, timeout=800)
+    report = (project_copy / "reports/report.md").read_text()
+    rows = report_rows(report)
+    assert list(rows) == list(STRATEGIES)  # one row per strategy, vanilla (the baseline) first
+    header = [c.strip() for c in report.split("| Trial |", 1)[1].splitlines()[0].strip("|").split("|")]
+    time_col = 1 + header.index("Train time")
+    assert rows["vanilla"][time_col].endswith("(100%)")
+    assert all(re.search(r"\(\d+%\)$", row[time_col]) for row in rows.values())
+    assert "relative to the baseline trial `vanilla`" in report
+
+
+def test_queued_experiment_lands_in_the_repository_store(project_copy: Path):
+    run(["dvc", "repro"], project_copy, timeout=600)
+    run(["git", "add", "-A"], project_copy)
+    run(["git", "commit", "-qm", "baseline"], project_copy)
+    run(["dvc", "exp", "run", "--queue", "-S", "lr=0.002"], project_copy)
+    run(["dvc", "queue", "start"], project_copy)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        status = run(["dvc", "queue", "status"], project_copy).stdout
+        if not re.search(r"\b(Queued|Running)\b", status):
+            break
+        time.sleep(5)
+    else:
+        pytest.fail(f"queued experiment did not finish:\n{status}")
+    assert "Success" in status, status
+    run(["dvc", "queue", "stop", "--kill"], project_copy, check=False)
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{project_copy / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("finetune")
+    runs = client.search_runs([experiment.experiment_id])
+    queued = [r for r in runs if r.data.params.get("lr") == "0.002" and "mlflow.parentRunId" in r.data.tags]
+    assert len(queued) == 1 and queued[0].info.status == "FINISHED"
+    assert queued[0].data.metrics["test_accuracy"] > 0  # evaluate, in the temp copy, logged to the same store
+    assert not list((project_copy / ".dvc" / "tmp").rglob("mlflow.db"))  # nothing followed DVC's temp copy
+    parent = client.get_run(queued[0].data.tags["mlflow.parentRunId"])
+    assert parent.data.tags["dvc_exp_name"]  # the DVC experiment's name is on the parent run
