@@ -278,6 +278,9 @@ class Params(StrictModel):
     pin_memory: bool = Field(description="Pin host batches for faster, non-blocking copies (CUDA only).")
     compile: bool = Field(description="torch.compile the model.")
     log_every_n_steps: PositiveInt = Field(description="Optimizer steps between logged loss/lr points.")
+    max_nonfinite_steps: PositiveInt = Field(
+        description="Stop the run when the loss is NaN/inf this many optimizer steps in a row (checked when logging)."
+    )
     checkpoint_every_n_steps: PositiveInt | None = Field(
         description="Optimizer steps between checkpoints (one is also written at every epoch's end); null: epochs only."
     )

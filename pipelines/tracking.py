@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import platform
+import socket
 import subprocess
 import time
 import urllib.error
@@ -183,7 +184,8 @@ def start_run(
     client: MlflowClient, experiment_id: str, name: str, tags: Mapping[str, str], parent_run_id: str | None = None
 ) -> str:
     """Create a run (a child when `parent_run_id` is given) and return its id."""
-    all_tags = {MLFLOW_RUN_NAME: name, **tags}
+    # host and pid let a later run close this one if its process dies without ending it (kill -9).
+    all_tags = {MLFLOW_RUN_NAME: name, "host": socket.gethostname(), "pid": str(os.getpid()), **tags}
     if parent_run_id:
         all_tags[MLFLOW_PARENT_RUN_ID] = parent_run_id
     return client.create_run(experiment_id, tags=all_tags, run_name=name).info.run_id
@@ -198,6 +200,31 @@ def close_dangling_children(client: MlflowClient, experiment_id: str, parent_run
     for run in runs:
         client.set_terminated(run.info.run_id, status=RunStatus.to_string(RunStatus.KILLED))
     return len(runs)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def close_runs_of_dead_processes(client: MlflowClient, experiment_id: str) -> list[str]:
+    """End as KILLED the RUNNING runs started on this host by processes that no longer exist; return their names."""
+    runs = client.search_runs(
+        [experiment_id], filter_string=f"attributes.status = 'RUNNING' and tags.host = '{socket.gethostname()}'"
+    )
+    closed = []
+    for run in runs:
+        pid = run.data.tags.get("pid", "")
+        if pid.isdigit() and not _alive(int(pid)):
+            client.set_tag(run.info.run_id, "closed", "its process died without ending the run (killed?)")
+            client.set_terminated(run.info.run_id, status=RunStatus.to_string(RunStatus.KILLED))
+            closed.append(run.info.run_name)
+    return closed
 
 
 def child_runs(client: MlflowClient, experiment_id: str, parent_run_id: str) -> list[Any]:

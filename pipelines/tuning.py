@@ -12,6 +12,7 @@ from pipelines.errors import UserError
 from pipelines.params import ChoiceDim, GridDim, LogUniformDim, Params, SearchDim, UniformDim
 from pipelines.tracking import (
     close_dangling_children,
+    close_runs_of_dead_processes,
     git_commit,
     log_params,
     open_experiment,
@@ -67,6 +68,15 @@ def _dimension(dim: SearchDim) -> Any:
     return tune.randint(dim.low, dim.high)
 
 
+def trial_base_params(params: Params) -> Params:
+    """The params every trial starts from: without the variants and search space, which the trial resolves.
+
+    A trial checks its own configuration only; re-checking every other variant against its
+    sampled values would fail trials whose siblings, not themselves, are incompatible.
+    """
+    return params.model_copy(update={"tune": params.tune.model_copy(update={"variants": {}, "search_space": {}})})
+
+
 def param_space(params: Params) -> dict[str, Any]:
     """Ray's search space: the variants as a grid axis, then every search dimension by dotted key."""
     from ray import tune
@@ -108,6 +118,8 @@ def run_tuning(
 
     tracking_uri = resolve_tracking_uri(params.tracking.uri, root)
     client, experiment_id = open_experiment(params.tracking, root)
+    for name in close_runs_of_dead_processes(client, experiment_id):
+        print(f"closed MLflow run {name!r} as KILLED: its process died without ending it")
     tags = {
         "git_commit": git_commit(root),
         "params_hash": params_hash(params),
@@ -121,7 +133,7 @@ def run_tuning(
     resources = trial_resources(params, cpus)
     staging = out_dir / "trials"
     context = TrialContext(
-        params=params.model_dump(mode="json"),
+        params=trial_base_params(params).model_dump(mode="json"),
         root=str(root),
         variants=params.tune.variants,
         tokenized_dir=str(tokenized_dir.resolve()),

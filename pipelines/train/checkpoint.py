@@ -32,6 +32,9 @@ class LoopState:
     epoch: int = 0
     window: int = 0  # accumulation windows (optimizer steps) of `epoch` already done
     oom_halvings: int = 0  # times micro-batches were halved after running out of memory
+    nonfinite_consecutive: int = 0  # optimizer steps in a row whose loss was NaN/inf (as of the last log point)
+    nonfinite_total: int = 0
+    scaler_skips: int = 0  # fp16 steps the GradScaler skipped
     step: int = 0  # optimizer steps taken
     rows_seen: int = 0
     tokens_seen: int = 0

@@ -38,6 +38,11 @@ from pipelines.train.memory import (
 )
 from pipelines.train.optim import build_optimizer, build_scheduler
 
+
+class NonFiniteLoss(UserError):
+    """Training diverged: the loss stayed NaN or infinite for too many steps."""
+
+
 # Out-of-memory errors that training recovers from by halving micro-batches.
 OUT_OF_MEMORY: tuple[type[BaseException], ...] = (torch.cuda.OutOfMemoryError,)
 
@@ -260,6 +265,9 @@ def train_model(
             save_checkpoint(checkpoint_dir, params, state, model, optimizer, scheduler, scaler)
 
     logged_loss = torch.tensor(state.logged_loss, device=device)  # summed on device; read at log points only
+    # Non-finite windows, counted on the device too (consecutive, total) so the loop never waits to check.
+    nonfinite = torch.tensor([state.nonfinite_consecutive, state.nonfinite_total], device=device)
+    loss_scale = scaler.get_scale() if scaler.is_enabled() else 1.0
     elapsed_before = state.elapsed_s
     start = time.perf_counter()
     while state.epoch < params.epochs:
@@ -293,7 +301,10 @@ def train_model(
                     f"(x{2**state.oom_halvings} since the start); the step is redone"
                 )
                 continue
-            logged_loss += window_loss
+            finite = torch.isfinite(window_loss)
+            nonfinite[0] = torch.where(finite, 0, nonfinite[0] + 1)
+            nonfinite[1] += (~finite).long()
+            logged_loss += torch.where(finite, window_loss, 0.0)  # keep the curve readable
             state.rows_seen += counts[0]
             state.tokens_seen += counts[1]
             state.data_wait_s += counts[2]
@@ -316,12 +327,28 @@ def train_model(
             step_start = now
             if state.step % params.log_every_n_steps == 0 or state.step == total_steps:
                 # The one host-device sync of the loop, every log_every_n_steps steps.
-                point = {"loss": float(logged_loss) / state.logged_windows, "lr": scheduler.get_last_lr()[0]}
+                consecutive, total_bad = (int(v) for v in nonfinite.tolist())
+                bad_in_interval = total_bad - state.nonfinite_total
+                state.nonfinite_consecutive, state.nonfinite_total = consecutive, total_bad
+                good = state.logged_windows - bad_in_interval
+                point = {"loss": float(logged_loss) / good if good else float("nan"), "lr": scheduler.get_last_lr()[0]}
+                if scaler.is_enabled():
+                    # Each skipped fp16 step halves the scale (growth happens once per 2,000 clean steps).
+                    new_scale = scaler.get_scale()
+                    state.scaler_skips += max(0, round(math.log2(loss_scale / new_scale))) if new_scale else 0
+                    loss_scale = new_scale
+                    point |= {"loss_scale": new_scale, "scaler_skips": state.scaler_skips}
                 state.history.append({"step": state.step, "epoch": epoch, **point})
                 logged_loss.zero_()
                 state.logged_windows = 0
                 if on_log:
                     on_log(state.step, point)
+                if consecutive >= params.max_nonfinite_steps:
+                    raise NonFiniteLoss(
+                        f"the loss was not finite for {consecutive} optimizer steps in a row (max_nonfinite_steps = "
+                        f"{params.max_nonfinite_steps}), up to step {state.step}; lower lr, set max_grad_norm, "
+                        "or use bf16 instead of fp16"
+                    )
             if params.checkpoint_every_n_steps and state.step % params.checkpoint_every_n_steps == 0:
                 checkpoint()
 
@@ -353,6 +380,8 @@ def _final_metrics(
         "data_wait_fraction": state.data_wait_s / train_time,
         "optimizer_steps": state.step,
         "oom_halvings": state.oom_halvings,
+        "nonfinite_steps": state.nonfinite_total,
+        "scaler_skips": state.scaler_skips,
         "final_train_loss": state.history[-1]["loss"] if state.history else float("nan"),
         "param_bytes": parameter_bytes(model),
         "grad_bytes": state.peak_grad_bytes,

@@ -254,3 +254,40 @@ def test_out_of_memory_halves_micro_batches_and_keeps_the_effective_batch(defaul
     assert result.metrics["optimizer_steps"] == reference.metrics["optimizer_steps"]  # same effective batch
     for ours, theirs in zip(result.history, reference.history, strict=True):
         assert abs(ours["loss"] - theirs["loss"]) < 1e-5
+
+
+class NaNAfter(torch.nn.Module):
+    """Wraps a model; its logits become NaN after `calls` forward passes (a diverging run)."""
+
+    def __init__(self, model, calls: int):
+        super().__init__()
+        self.model, self.calls, self.seen = model, calls, 0
+
+    def forward(self, input_ids, attention_mask):
+        self.seen += 1
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+        return logits * float("nan") if self.seen > self.calls else logits
+
+
+def test_nonfinite_loss_stops_the_run_with_a_clear_reason(default_params, monkeypatch):
+    from pipelines.train.engine import NonFiniteLoss
+
+    params = tiny_params(
+        default_params, **{"epochs": 2, "batch_size": 16, "log_every_n_steps": 1, "max_nonfinite_steps": 3}
+    )
+    monkeypatch.setattr(
+        "pipelines.train.engine.forward_logits", lambda model, batch: model(batch["input_ids"], batch["attention_mask"])
+    )
+    logged = []
+    with pytest.raises(NonFiniteLoss, match="not finite for 3 optimizer steps in a row .* up to step 7"):
+        train_model(
+            NaNAfter(tiny_model(), calls=4),
+            tiny_split(rows=160, seed=3),
+            None,
+            params,
+            pad_id=0,
+            device=CPU,
+            precision="fp32",
+            on_log=lambda step, point: logged.append(point["loss"]),
+        )
+    assert all(math.isfinite(loss) for loss in logged[:4]) and all(math.isnan(loss) for loss in logged[4:])

@@ -1,0 +1,58 @@
+"""kill -9 in the middle of training: the next `dvc repro` resumes and ends where an uninterrupted run ends."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import git_env, run, write_params
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+SETTINGS = {"data.generator.num_rows": 3000, "epochs": 2, "checkpoint_every_n_steps": 20, "log_every_n_steps": 5}
+
+
+def test_kill_9_mid_train_then_repro_resumes_to_the_same_metrics(project_copy: Path, tmp_path: Path):
+    write_params(project_copy, SETTINGS)
+    run(["git", "commit", "-qam", "settings"], project_copy)
+    reference = tmp_path / "reference"
+    shutil.copytree(project_copy, reference)
+    run(["dvc", "repro"], reference, timeout=600)
+
+    checkpoint = project_copy / "checkpoints" / "finetune" / "default-00000" / "checkpoint.pt"
+    proc = subprocess.Popen(
+        ["dvc", "repro"],
+        cwd=project_copy,
+        env=git_env(),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 300
+    while not checkpoint.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert checkpoint.exists(), "no checkpoint was written"
+    os.killpg(proc.pid, signal.SIGKILL)  # DVC, the stage, Ray and the trial, without any cleanup
+    proc.wait()
+    subprocess.run(["ray", "stop", "--force"], capture_output=True, env=git_env(), check=False)
+
+    resumed = run(["dvc", "repro"], project_copy, timeout=600)
+    assert "resuming from" in resumed.stdout + resumed.stderr
+    ours = json.loads((project_copy / "metrics/train.json").read_text())
+    theirs = json.loads((reference / "metrics/train.json").read_text())
+    assert abs(ours["final_train_loss"] - theirs["final_train_loss"]) < 1e-6
+    assert ours["val_accuracy"] == theirs["val_accuracy"] and ours["optimizer_steps"] == theirs["optimizer_steps"]
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{project_copy / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("finetune").experiment_id])
+    assert not [r for r in runs if r.info.status == "RUNNING"]
+    killed = [r for r in runs if r.info.status == "KILLED"]
+    assert killed and all("process died" in r.data.tags.get("closed", "") for r in killed)

@@ -1,0 +1,124 @@
+"""Every user error in README's table: named clearly, exit 1, no traceback, no output touched."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run, write_params
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+# (what, stage, params overrides, file to write, expected text) — the same rows as README's table.
+CASES = [
+    ("unknown key", "tokenize", {"optimizer": "adamw"}, None, "optimizer: unknown key"),
+    ("wrong type", "tokenize", {"epochs": "three"}, None, "epochs = 'three': Input should be a valid integer"),
+    ("out-of-range value", "train", {"batch_size": -4}, None, "batch_size = -4: must be an integer greater than 0"),
+    (
+        "not an allowed value",
+        "train",
+        {"optim": "adafator"},
+        None,
+        "optim = 'adafator': Input should be 'adamw', 'adafactor', 'adamw_8bit' or 'sgd'",
+    ),
+    (
+        "incompatible combination",
+        "train",
+        {"precision": "fp16", "device": "cpu"},
+        None,
+        "precision: fp16 (with loss scaling) is for GPUs; with device: cpu",
+    ),
+    (
+        "missing data file",
+        "tokenize",
+        {"data.source": "data/raw.csv"},
+        None,
+        "data.source = 'data/raw.csv': file not found",
+    ),
+    (
+        "unreadable data file",
+        "tokenize",
+        {"data.source": "bad.csv"},
+        ("bad.csv", b"text,label\n\xff\xfe,a\n"),
+        "bad.csv: not valid UTF-8",
+    ),
+    (
+        "missing column",
+        "tokenize",
+        {"data.source": "ok.csv", "data.label_column": "topic"},
+        ("ok.csv", b"text,label\nhello world,a\nbye now,b\n" * 20),
+        "missing column(s) ['topic']",
+    ),
+    ("empty split", "tokenize", {"data.source": "folder"}, ("folder/train.csv", b"text,label\n"), "the split is empty"),
+    (
+        "unknown model path",
+        "tokenize",
+        {"model.name_or_path": "./models/none"},
+        None,
+        "model.name_or_path = './models/none': no such local folder",
+    ),
+    (
+        "tracking store unreachable",
+        "train",
+        {"tracking.uri": "http://127.0.0.1:9"},
+        None,
+        "tracking.uri = 'http://127.0.0.1:9': the MLflow server is unreachable",
+    ),
+    ("CUDA-only option without CUDA", "train", {"optim": "adamw_8bit"}, None, "optim = 'adamw_8bit' needs CUDA"),
+]
+
+
+def digests(root: Path) -> dict[str, str]:
+    files = [p for d in ("data/tokenized", "metrics") for p in (root / d).rglob("*") if p.is_file()]
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(files)}
+
+
+@pytest.fixture(scope="module")
+def tokenized_copy(tmp_path_factory):
+    import shutil
+
+    from tests.conftest import REPO_ROOT, _project_files  # noqa: PLC0415 - module-scoped copy
+
+    dest = tmp_path_factory.mktemp("errors") / "project"
+    for rel in _project_files():
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO_ROOT / rel, dest / rel)
+    write_params(dest, {"data.generator.num_rows": 600})
+    run([sys.executable, "-m", "stages.tokenize"], dest)
+    return dest
+
+
+@pytest.mark.parametrize(("what", "stage", "overrides", "file", "expected"), CASES, ids=[c[0] for c in CASES])
+def test_user_error(tokenized_copy: Path, what, stage, overrides, file, expected):
+    if "CUDA" in what:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has CUDA")
+    root = tokenized_copy
+    original = (root / "params.yaml").read_text()
+    before = digests(root)
+    try:
+        if file:
+            (root / file[0]).parent.mkdir(parents=True, exist_ok=True)
+            (root / file[0]).write_bytes(file[1])
+        write_params(root, overrides)
+        proc = run([sys.executable, "-m", f"stages.{stage}"], root, check=False, timeout=120)
+    finally:
+        (root / "params.yaml").write_text(original)
+    assert proc.returncode == 1, proc.stderr
+    assert expected in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
+    assert digests(root) == before
+
+
+def test_readme_lists_every_user_error():
+    from tests.conftest import REPO_ROOT
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    for what, _, _, _, expected in CASES:
+        assert f"| {what} |" in readme, what
+        assert expected.split(": ", 1)[-1][:30] in readme, expected
