@@ -34,7 +34,7 @@ from pipelines.errors import UserError
 
 Optimizer = Literal["adamw", "adafactor", "adamw_8bit", "sgd"]
 Precision = Literal["fp32", "fp16", "bf16", "auto"]
-LrSchedule = Literal["constant", "linear", "cosine", "onecycle", "cyclic"]
+LrSchedule = Literal["constant", "linear", "cosine", "onecycle", "cyclic", "reduce_on_plateau"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 
 GENERATOR_SOURCE = "generator"
@@ -265,7 +265,9 @@ class Params(StrictModel):
     lr: PositiveFloat = Field(lt=1.0, description="Peak learning rate.")
     epochs: PositiveInt = Field(description="Passes over the training split.")
     seed: int = Field(ge=0, description="Seed for data splits, shuffling and initialisation.")
-    lr_schedule: LrSchedule = Field(description="Learning-rate schedule.")
+    lr_schedule: LrSchedule = Field(
+        description="Learning-rate schedule, stepped per optimizer step (reduce_on_plateau: per epoch, on val loss)."
+    )
     warmup_ratio: float = Field(ge=0.0, lt=1.0, description="Share of optimizer steps spent warming up.")
     weight_decay: NonNegativeFloat = Field(description="Decoupled weight decay (not on biases and norms).")
     max_grad_norm: PositiveFloat | None = Field(description="Clip the global gradient norm to this; null to skip.")

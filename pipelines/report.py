@@ -185,7 +185,11 @@ def plot_tradeoff(rows: list[TrialRow], path: Path) -> None:
     ax.set_ylabel("Test accuracy (%)")
     ax.set_title("Time vs accuracy (bubble area: peak memory)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    ax.margins(0.15)
+    legend = ax.legend(fontsize=8, loc="best")
+    for handle in legend.legend_handles:
+        if hasattr(handle, "set_sizes"):
+            handle.set_sizes([50])  # legend markers of one size; the plot's bubbles carry the memory
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

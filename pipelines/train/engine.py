@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator
@@ -154,14 +155,17 @@ def accumulate_window(
     total = torch.zeros((), device=device)
     rows = tokens = 0
     wait = 0.0
-    for _ in window:
+    for index in range(len(window)):
         fetch = time.perf_counter()
         batch = next(loader)
         wait += time.perf_counter() - fetch
         rows += len(batch["labels"])
         tokens += int(batch["num_tokens"])  # counted on the host copy: no device sync
         batch = to_device(batch, device)
-        with meter.measure() if meter is not None else nullcontext():
+        # Under DDP, gradients are all-reduced once per window, on its last micro-batch only.
+        last = index == len(window) - 1
+        no_sync = model.no_sync() if isinstance(model, DistributedDataParallel) and not last else nullcontext()
+        with no_sync, meter.measure() if meter is not None else nullcontext():
             total += backward_micro_batch(model, batch, rows_in_window, precision, device, scaler)
     return total, (rows, tokens, wait)
 
@@ -197,6 +201,11 @@ def evaluate_split(
         logits[batch["row_index"].cpu().numpy()] = out.cpu().numpy()
     model.train()
     return logits, float(total_loss) / len(split)
+
+
+def current_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The learning rate of the first parameter group (what every schedule here sets)."""
+    return float(optimizer.param_groups[0]["lr"])
 
 
 def _percentile_ms(values: list[float], q: float) -> float:
@@ -249,6 +258,7 @@ def train_model(
         params.lr_schedule, optimizer, params.lr, total_steps, int(params.warmup_ratio * total_steps)
     )
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    per_epoch_schedule = params.lr_schedule == "reduce_on_plateau"
     activations = SavedActivationMeter()
 
     state = LoopState()
@@ -318,7 +328,8 @@ def train_model(
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+            if not per_epoch_schedule:
+                scheduler.step()
             state.step += 1
             state.window += 1
             state.logged_windows += 1
@@ -331,7 +342,7 @@ def train_model(
                 bad_in_interval = total_bad - state.nonfinite_total
                 state.nonfinite_consecutive, state.nonfinite_total = consecutive, total_bad
                 good = state.logged_windows - bad_in_interval
-                point = {"loss": float(logged_loss) / good if good else float("nan"), "lr": scheduler.get_last_lr()[0]}
+                point = {"loss": float(logged_loss) / good if good else float("nan"), "lr": current_lr(optimizer)}
                 if scaler.is_enabled():
                     # Each skipped fp16 step halves the scale (growth happens once per 2,000 clean steps).
                     new_scale = scaler.get_scale()
@@ -358,6 +369,10 @@ def train_model(
                 "val_loss": val_loss,
                 "val_accuracy": float((val_logits.argmax(1) == validation.labels).mean()),
             }
+        if per_epoch_schedule:
+            # On the validation loss; without validation, on the epoch's last logged training loss.
+            last_train = state.history[-1]["loss"] if state.history else 0.0
+            scheduler.step(state.val_metrics.get("val_loss", last_train))
         state.epoch, state.window = epoch + 1, 0
         checkpoint()
         if on_epoch_end:

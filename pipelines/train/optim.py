@@ -51,8 +51,8 @@ def build_optimizer(
 
 def build_scheduler(
     name: LrSchedule, optimizer: Optimizer, lr: float, total_steps: int, warmup_steps: int
-) -> LRScheduler:
-    """Build the named schedule; every schedule is stepped once per optimizer step."""
+) -> LRScheduler | torch.optim.lr_scheduler.ReduceLROnPlateau:
+    """Build the named schedule: stepped per optimizer step, except reduce_on_plateau (per epoch, on a loss)."""
     from transformers import (
         get_constant_schedule_with_warmup,
         get_cosine_schedule_with_warmup,
@@ -76,4 +76,7 @@ def build_scheduler(
         return torch.optim.lr_scheduler.CyclicLR(
             optimizer, base_lr=lr / 10, max_lr=lr, step_size_up=max(1, math.ceil(total_steps / 4)), cycle_momentum=False
         )
+    if name == "reduce_on_plateau":
+        # Halves the lr when the epoch's validation loss stops improving; stepped per epoch by the engine.
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.5, patience=0)
     raise UserError(f"lr_schedule = {name!r} is not known")

@@ -131,8 +131,18 @@ def test_four_variant_grid_two_concurrent_against_a_real_mlflow_server(project_c
     assert "model/model.safetensors" in artifacts
 
 
-def test_same_grid_on_the_sqlite_store_two_concurrent(project_copy: Path):
-    write_params(project_copy, {**QUICK, "tune.variants": FOUR_VARIANTS, "tune.max_concurrent_trials": 2})
+@pytest.mark.parametrize("concurrent", [2, 4])
+def test_same_grid_on_the_sqlite_store_concurrently(project_copy: Path, concurrent: int):
+    # Half a core per trial lets 4 trials run at once on a 2-core machine.
+    write_params(
+        project_copy,
+        {
+            **QUICK,
+            "tune.variants": FOUR_VARIANTS,
+            "tune.max_concurrent_trials": concurrent,
+            "tune.resources_per_trial.cpu": 2 / concurrent,
+        },
+    )
     out = run_stages(project_copy, "tokenize", "train")
     assert "database is locked" not in out.stdout + out.stderr
     client = MlflowClient(tracking_uri=f"sqlite:///{project_copy / 'mlflow.db'}")
@@ -187,3 +197,13 @@ def test_invalid_combination_fails_its_trial_alone_and_is_recorded(project_copy:
     _, _, children = runs_by_kind(client, "finetune")
     failed = [c for c in children if c.info.status == "FAILED"]
     assert len(failed) == 1 and "set grad_accum_steps: 1" in failed[0].data.tags["error"]
+
+
+def test_same_params_and_seed_give_identical_metrics(project_copy: Path):
+    write_params(project_copy, QUICK)
+    run_stages(project_copy, "tokenize", "train")
+    first = json.loads((project_copy / "metrics/train.json").read_text())
+    run_stages(project_copy, "train")
+    second = json.loads((project_copy / "metrics/train.json").read_text())
+    for key in ("final_train_loss", "val_accuracy", "val_loss", "test_accuracy", "optimizer_steps"):
+        assert first[key] == second[key], key

@@ -139,7 +139,7 @@ def test_metrics_are_measured(default_params):
     assert 0 <= m["val_accuracy"] <= 1
 
 
-@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine", "onecycle", "cyclic"])
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine", "onecycle", "cyclic", "reduce_on_plateau"])
 @pytest.mark.parametrize("optim", ["adamw", "adafactor", "sgd"])
 def test_every_optimizer_and_schedule_trains(default_params, optim, schedule):
     result = train_tiny(default_params, optim=optim, lr_schedule=schedule, epochs=1)
@@ -291,3 +291,54 @@ def test_nonfinite_loss_stops_the_run_with_a_clear_reason(default_params, monkey
             on_log=lambda step, point: logged.append(point["loss"]),
         )
     assert all(math.isfinite(loss) for loss in logged[:4]) and all(math.isnan(loss) for loss in logged[4:])
+
+
+def test_ddp_all_reduces_once_per_accumulation_window(tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from pipelines.train.engine import accumulate_window
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(tiny_model())
+        calls = []
+
+        def counting_hook(state, bucket):
+            calls.append(1)
+            future = torch.futures.Future()
+            future.set_result(bucket.buffer())
+            return future
+
+        ddp.register_comm_hook(None, counting_hook)
+        split = tiny_split(rows=32)
+        window = [list(range(i, i + 8)) for i in range(0, 32, 8)]  # 4 micro-batches
+        collate = PadCollator(split, pad_id=0, fixed_length=None, pad_to_multiple_of=None)
+        loader = iter(collate(b) for b in window)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        accumulate_window(ddp, iter([collate(window[0])]), window[:1], "fp32", CPU, scaler, None)
+        per_backward = len(calls)  # all-reduces of one synchronised backward (one per gradient bucket)
+        assert per_backward >= 1
+        calls.clear()
+        accumulate_window(ddp, loader, window, "fp32", CPU, scaler, None)
+        assert len(calls) == per_backward  # once per window of 4 micro-batches, not 4 times
+    finally:
+        dist.destroy_process_group()
+
+
+def test_reduce_on_plateau_halves_the_lr_when_validation_loss_stalls(default_params):
+    # lr far too high: validation loss does not improve, so the lr is halved after the second epoch.
+    result = train_tiny(default_params, lr_schedule="reduce_on_plateau", lr=0.5, epochs=3, optim="sgd")
+    lrs = [h["lr"] for h in result.history]
+    assert lrs[0] == 0.5 and min(lrs) < 0.5
+
+
+def test_torch_compile_trains_with_few_recompiles(default_params):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    result = train_tiny(default_params, compile=True, epochs=1, **{"data.pad_to_multiple_of": 8})
+    assert all(math.isfinite(h["loss"]) for h in result.history)
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    # Lengths rounded to multiples of 8 (tiny_split rows are < 40 tokens): a handful of shapes, not one per batch.
+    assert 0 < frames <= 12, frames
