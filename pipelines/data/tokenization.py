@@ -85,9 +85,10 @@ def join_texts(rows: Sequence[tuple[str, ...]], separator: str) -> list[str]:
 def set_tokenizer_threads(threads: int | None) -> None:
     """Use `threads` Rust threads for batch encoding (None: all cores, the library's default).
 
-    The fast tokenizer already encodes a batch in parallel (rayon); measured on AG News with
-    2 cores: 4.8k rows/s on 1 thread, 10.3k on 2, and 0.7k through a 2-process pool, whose
-    start-up and pickling cost more than the work. So parallelism is threads, not processes.
+    The fast tokenizer already encodes a batch in parallel (rayon). Measured on AG News with 2
+    cores, while another job shared them: 4.8k rows/s on 1 thread, 10.3k on 2, and 0.7k through a
+    2-process pool, whose start-up and pickling cost more than the work (13.8k rows/s on 2 threads
+    with the machine idle: benchmarks/RESULTS.md). So parallelism is threads, not processes.
     Takes effect if set before the first batch is encoded in this process.
     """
     if threads is not None:
