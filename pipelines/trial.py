@@ -8,6 +8,7 @@ paths, the MLflow run tree), which never enters the search space.
 from __future__ import annotations
 
 import json
+import os
 import random
 import traceback
 from dataclasses import dataclass
@@ -73,6 +74,9 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
     """Ray Tune function trainable: train one configuration and report its metrics."""
     from mlflow.tracking import MlflowClient
 
+    # RunLogger retries on its own thread; MLflow's built-in retries would block training for minutes.
+    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
+    os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = "10"
     variant = config.get("variant", "default")
     trial_id = tune.get_context().get_trial_id()
     client = MlflowClient(tracking_uri=context.tracking_uri)
@@ -83,7 +87,7 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
         {"variant": variant, "trial_id": trial_id},
         context.parent_run_id,
     )
-    logger = RunLogger(client, run_id)
+    logger = RunLogger(client, run_id, fallback_dir=Path(context.root) / "mlflow-fallback")
     system_metrics = SystemMetricsMonitor(run_id, sampling_interval=5, tracking_uri=context.tracking_uri)
     system_metrics.start()
     status = "FAILED"
@@ -108,7 +112,10 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
         logger.log_tags({"stopped": f"stopped early by the {context.scheduler} scheduler"})
         raise
     finally:
-        system_metrics.finish()
+        try:
+            system_metrics.finish()
+        except Exception as err:  # noqa: BLE001 - system metrics are best effort; the run's own metrics are not
+            print(f"system metrics could not be flushed: {err}")
         logger.close(status)
     # Reported after the run is closed: Tune may end this thread (SystemExit) once it has the last result.
     tune.report({**metrics, "mlflow_run_id": run_id, "variant": variant, FINAL_KEY: 1})

@@ -39,8 +39,10 @@ def report_rows(report: str) -> dict[str, list[str]]:
 
 
 def test_strategy_grid_in_one_dvc_repro_reports_relative_to_vanilla(project_copy: Path):
-    write_params(project_copy, {"tune.variants": STRATEGIES, "tune.max_concurrent_trials": 2, "epochs": 1,
-                                "data.generator.num_rows": 3000})
+    write_params(
+        project_copy,
+        {"tune.variants": STRATEGIES, "tune.max_concurrent_trials": 2, "epochs": 1, "data.generator.num_rows": 3000},
+    )
     run(["dvc", "repro"], project_copy, timeout=800)
     report = (project_copy / "reports/report.md").read_text()
     rows = report_rows(report)

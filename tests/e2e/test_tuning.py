@@ -68,48 +68,66 @@ def assert_complete_grid(client: MlflowClient, experiment: str, variants: set[st
     assert not [r for r in runs if r.info.status == "RUNNING"]
 
 
-@pytest.fixture
-def mlflow_server(tmp_path: Path):
-    """A real `mlflow server` bound to 127.0.0.1 on a free port, stopped after the test."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--backend-store-uri",
-            f"sqlite:///{tmp_path / 'server.db'}",
-            "--artifacts-destination",
-            str(tmp_path / "server-artifacts"),
-            "--workers",
-            "2",
-        ],
-        cwd=tmp_path,
-        env=git_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                if response.status == 200:
-                    break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        os.killpg(proc.pid, signal.SIGKILL)
+class MlflowServer:
+    """A real `mlflow server` bound to 127.0.0.1 on a free port; can be killed and restarted on the same port."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.port, self.proc = folder, free_port(), None
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mlflow",
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--backend-store-uri",
+                f"sqlite:///{self.folder / 'server.db'}",
+                "--artifacts-destination",
+                str(self.folder / "server-artifacts"),
+                "--workers",
+                "2",
+            ],
+            cwd=self.folder,
+            env=git_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        self.kill()
         pytest.fail("mlflow server did not become healthy in 90 s")
-    yield url
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=30)
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+            self.proc = None
+
+
+@pytest.fixture
+def server(tmp_path: Path):
+    srv = MlflowServer(tmp_path)
+    srv.start()
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture
+def mlflow_server(server: MlflowServer) -> str:
+    return server.url
 
 
 def test_four_variant_grid_two_concurrent_against_a_real_mlflow_server(project_copy: Path, mlflow_server: str):
@@ -207,3 +225,54 @@ def test_same_params_and_seed_give_identical_metrics(project_copy: Path):
     second = json.loads((project_copy / "metrics/train.json").read_text())
     for key in ("final_train_loss", "val_accuracy", "val_loss", "test_accuracy", "optimizer_steps"):
         assert first[key] == second[key], key
+
+
+def test_training_goes_on_through_a_tracking_outage_and_nothing_is_lost(project_copy: Path, server: MlflowServer):
+    write_params(
+        project_copy,
+        {
+            "data.generator.num_rows": 3000,
+            "epochs": 3,
+            "log_every_n_steps": 1,
+            "tracking.uri": server.url,
+            "tracking.experiment": "outage",
+        },
+    )
+    run([sys.executable, "-m", "stages.tokenize"], project_copy)
+    stage = subprocess.Popen(
+        [sys.executable, "-m", "stages.train"],
+        cwd=project_copy,
+        env=git_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    client = MlflowClient(tracking_uri=server.url)
+    deadline = time.monotonic() + 300
+    child = None
+    while time.monotonic() < deadline and child is None:  # wait until the trial has logged some steps
+        experiment = client.get_experiment_by_name("outage")
+        runs = client.search_runs([experiment.experiment_id]) if experiment else []
+        child = next(
+            (
+                r
+                for r in runs
+                if "mlflow.parentRunId" in r.data.tags
+                and len(client.get_metric_history(r.info.run_id, "train_loss")) > 0
+            ),
+            None,
+        )
+        time.sleep(0.5)
+    assert child is not None, "the trial never logged"
+    server.kill()  # the tracking server dies mid-run...
+    time.sleep(8)
+    server.start()  # ...and comes back on the same port and store
+    output, _ = stage.communicate(timeout=600)
+    assert stage.returncode == 0, output[-3000:]
+    assert "buffering metrics" in output and "reachable again" in output
+    run_after = client.get_run(child.info.run_id)
+    assert run_after.info.status == "FINISHED"
+    steps = int(run_after.data.metrics["optimizer_steps"])
+    history = client.get_metric_history(child.info.run_id, "train_loss")
+    assert sorted(m.step for m in history) == list(range(1, steps + 1))  # every step's point, none lost
+    assert not list((project_copy / "mlflow-fallback").glob("*.json"))

@@ -44,3 +44,32 @@ def test_unusable_store_is_a_user_error(tmp_path: Path):
     tracking = TrackingParams(uri="sqlite:///a-file/x.db", experiment="t")
     with pytest.raises(UserError, match="tracking.uri = 'sqlite:///a-file/x.db': the MLflow store is unreachable"):
         open_experiment(tracking, tmp_path)
+
+
+def test_logger_writes_a_fallback_file_when_the_store_never_comes_back(tmp_path: Path, monkeypatch):
+    import json
+    import socket
+
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    with socket.socket() as sock:  # a port with nothing listening: connection refused at once
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    messages: list[str] = []
+    logger = RunLogger(
+        MlflowClient(f"http://127.0.0.1:{port}"),
+        "0" * 32,
+        flush_every=10,
+        fallback_dir=tmp_path,
+        outage_timeout_s=1,
+        say=messages.append,
+    )
+    for step in range(25):
+        logger.log_dict({"train_loss": 1.0 / (step + 1)}, step=step)
+    logger.log_tags({"note": "kept"})
+    logger.close("FINISHED")
+    record = json.loads((tmp_path / f"{'0' * 32}.json").read_text())
+    assert len(record["metrics"]) == 25 and record["status"] == "FINISHED" and record["tags"] == {"note": "kept"}
+    assert any("buffering" in m for m in messages) and "were written to" in messages[-1]
