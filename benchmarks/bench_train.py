@@ -37,6 +37,7 @@ BASE = {
     "log_every_n_steps": 1000,
     "checkpoint_every_n_steps": None,
     "device": "cpu",
+    "fast_dropout": False,
 }
 FIXED = {"data.bucketing": False}
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -55,13 +56,22 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             "grad_accum_steps": 4,
             "grad_checkpointing": True,
             "optim": "adafactor",
+            "fast_dropout": True,
         },
     ),
+    "fast dropout": ("ours", {**FIXED, "fast_dropout": True}),
     "bucketing+bf16": ("ours", {"data.bucketing": True, "precision": "bf16"}),
+    "bucketing+fast dropout": ("ours", {"data.bucketing": True, "fast_dropout": True}),
+    "bucketing+bf16+fast dropout": ("ours", {"data.bucketing": True, "precision": "bf16", "fast_dropout": True}),
     "HF Trainer fp32": ("hf", {"data.bucketing": True}),
     "HF Trainer bf16": ("hf", {"data.bucketing": True, "precision": "bf16"}),
 }
-LIKE_FOR_LIKE = (("bucketing", "HF Trainer fp32"), ("bucketing+bf16", "HF Trainer bf16"))
+LIKE_FOR_LIKE = (
+    ("bucketing", "HF Trainer fp32"),
+    ("bucketing+fast dropout", "HF Trainer fp32"),
+    ("bucketing+bf16", "HF Trainer bf16"),
+    ("bucketing+bf16+fast dropout", "HF Trainer bf16"),
+)
 
 
 def prepare(model_path: Path, out: Path) -> None:
@@ -152,7 +162,7 @@ def run_hf(params, model, train, test, pad_id: int, tokenizer) -> dict[str, floa
     return {"train_time_s": train_time, "samples_per_s": len(train) * params.epochs / train_time, "accuracy": accuracy}
 
 
-def run_one(name: str, data_dir: Path, model_path: Path, train_rows: int, epochs: int) -> dict[str, float]:
+def run_one(name: str, data_dir: Path, model_path: Path, train_rows: int, epochs: int, seed: int) -> dict[str, float]:
     import resource
 
     from transformers import AutoTokenizer
@@ -162,7 +172,7 @@ def run_one(name: str, data_dir: Path, model_path: Path, train_rows: int, epochs
     from pipelines.trial import seed_everything
 
     engine, overrides = CONFIGS[name]
-    params = ag_news_params(model_path, **{**BASE, "epochs": epochs, **overrides})
+    params = ag_news_params(model_path, **{**BASE, "epochs": epochs, "seed": seed, **overrides})
     torch.set_num_threads(2)
     seed_everything(params.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -181,46 +191,67 @@ def pct(value: float, base: float) -> str:
     return f"({100 * value / base:.0f}%)"
 
 
+def run_in_subprocess(name: str, data: str, args: argparse.Namespace, seed: int) -> dict[str, float]:
+    """One configuration in a fresh process (so peak RSS is its own); exits with its stderr on failure."""
+    cmd = [sys.executable, "-m", "benchmarks.bench_train", "--only", name, "--data", data]
+    cmd += ["--train-rows", str(args.train_rows), "--epochs", str(args.epochs), "--seed", str(seed)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")
+    result = json.loads(line.removeprefix("RESULT "))
+    print(f"done: {name} seed {seed} {result}", file=sys.stderr, flush=True)
+    return result
+
+
+def summarize(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Median of every measure over the repeats; accuracy as its mean and standard deviation."""
+    summary = {key: float(np.median([r[key] for r in runs])) for key in runs[0]}
+    accuracies = [r["accuracy"] for r in runs]
+    summary["accuracy"] = float(np.mean(accuracies))
+    summary["accuracy_std"] = float(np.std(accuracies, ddof=1)) if len(runs) > 1 else 0.0
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train-rows", type=int, default=5320)
     parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the engine-vs-Trainer configurations this many times (seeds 42, 43, ...), interleaved",
+    )
+    parser.add_argument("--seed", type=int, default=42, help=argparse.SUPPRESS)
     parser.add_argument("--only", help="run one configuration in this process (used internally)")
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     model_path = require_assets()
     if args.only:
-        print("RESULT " + json.dumps(run_one(args.only, args.data, model_path, args.train_rows, args.epochs)))
+        result = run_one(args.only, args.data, model_path, args.train_rows, args.epochs, args.seed)
+        print("RESULT " + json.dumps(result))
         return
 
-    results: dict[str, dict[str, float]] = {}
+    compared = {name for pair in LIKE_FOR_LIKE for name in pair}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in CONFIGS}
     with tempfile.TemporaryDirectory() as tmp:
         prepare(model_path, Path(tmp))
         for name in CONFIGS:
-            cmd = [
-                sys.executable,
-                "-m",
-                "benchmarks.bench_train",
-                "--only",
-                name,
-                "--data",
-                tmp,
-                "--train-rows",
-                str(args.train_rows),
-                "--epochs",
-                str(args.epochs),
-            ]
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-            if line is None:
-                sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")
-            results[name] = json.loads(line.removeprefix("RESULT "))
-            print(f"done: {name} {results[name]}", file=sys.stderr, flush=True)
+            runs[name].append(run_in_subprocess(name, tmp, args, 42))
+        # Further seeds round-robin over the compared configurations, so a slow spell of the
+        # machine lands on all of them alike rather than on one.
+        for seed in range(43, 42 + args.repeats):
+            for name in CONFIGS:
+                if name in compared:
+                    runs[name].append(run_in_subprocess(name, tmp, args, seed))
+    results = {name: summarize(r) for name, r in runs.items()}
 
     base = results["vanilla"]
     print(
         f"\nAG News, {args.train_rows} train rows x {args.epochs} epoch(s), all-MiniLM-L6-v2, CPU "
-        f"({torch.get_num_threads()} threads), test accuracy on 1,520 rows\n"
+        f"({torch.get_num_threads()} threads), test accuracy on 1,520 rows. Configurations marked * ran "
+        f"{args.repeats} times (seeds 42..{41 + args.repeats}): median time, mean accuracy ± std.\n"
     )
     print("| Configuration | Train time | Samples/s | Peak RSS | Optimizer state | Activations | Accuracy |")
     print("|---|---|---|---|---|---|---|")
@@ -235,21 +266,26 @@ def main() -> None:
             if "activations_mb" in r
             else "–"
         )
+        star = "*" if len(runs[name]) > 1 else ""
+        spread = f" ± {100 * r['accuracy_std']:.2f}" if len(runs[name]) > 1 else ""
         print(
-            f"| {name} | {r['train_time_s']:.1f} s {pct(r['train_time_s'], base['train_time_s'])} | "
+            f"| {name}{star} | {r['train_time_s']:.1f} s {pct(r['train_time_s'], base['train_time_s'])} | "
             f"{r['samples_per_s']:.1f} | {r['peak_rss_mb']:.0f} MB {pct(r['peak_rss_mb'], base['peak_rss_mb'])} | "
-            f"{opt} | {act} | {100 * r['accuracy']:.2f}% |"
+            f"{opt} | {act} | {100 * r['accuracy']:.2f}%{spread} |"
         )
-    print("\n| Ours vs HF Trainer | Wall-time ratio (ours / Trainer) | Accuracy ours | Accuracy Trainer |")
-    print("|---|---|---|---|")
+    print("\n| Ours vs HF Trainer | Wall-time ratio (medians) | Per-seed ratios | Accuracy ours | Accuracy Trainer |")
+    print("|---|---|---|---|---|")
     ours_best = min((n for n, (e, _) in CONFIGS.items() if e == "ours"), key=lambda n: results[n]["train_time_s"])
     hf_best = min((n for n, (e, _) in CONFIGS.items() if e == "hf"), key=lambda n: results[n]["train_time_s"])
     pairs = [(f"{ours} vs {hf}", ours, hf) for ours, hf in LIKE_FOR_LIKE]
     pairs.append((f"fastest vs fastest ({ours_best} vs {hf_best})", ours_best, hf_best))
     for label, ours, hf in pairs:
         ratio = results[ours]["train_time_s"] / results[hf]["train_time_s"]
+        per_seed = ", ".join(
+            f"{a['train_time_s'] / b['train_time_s']:.2f}" for a, b in zip(runs[ours], runs[hf], strict=False)
+        )
         ours_acc, hf_acc = 100 * results[ours]["accuracy"], 100 * results[hf]["accuracy"]
-        print(f"| {label} | {ratio:.2f}x | {ours_acc:.2f}% | {hf_acc:.2f}% |")
+        print(f"| {label} | {ratio:.2f}x | {per_seed} | {ours_acc:.2f}% | {hf_acc:.2f}% |")
 
 
 if __name__ == "__main__":

@@ -279,6 +279,10 @@ class Params(StrictModel):
     prefetch_factor: PositiveInt = Field(description="Batches each DataLoader worker prepares ahead.")
     pin_memory: bool = Field(description="Pin host batches for faster, non-blocking copies (CUDA only).")
     compile: bool = Field(description="torch.compile the model.")
+    fast_dropout: bool = Field(
+        description="On CPU (without compile): dropout masks from 16-bit lanes of 64-bit draws, about 3x faster "
+        "than torch's bernoulli; no effect on CUDA."
+    )
     log_every_n_steps: PositiveInt = Field(description="Optimizer steps between logged loss/lr points.")
     max_nonfinite_steps: PositiveInt = Field(
         description="Stop the run when the loss is NaN/inf this many optimizer steps in a row (checked when logging)."

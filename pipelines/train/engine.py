@@ -30,6 +30,7 @@ from pipelines.errors import UserError
 from pipelines.params import Params
 from pipelines.train.checkpoint import LoopState, find_resumable, restore, save_checkpoint
 from pipelines.train.device import ResolvedPrecision, autocast_context
+from pipelines.train.fast_dropout import fast_dropout
 from pipelines.train.memory import (
     SavedActivationMeter,
     gradient_bytes,
@@ -233,6 +234,38 @@ def train_model(
     With `checkpoint_dir`, a checkpoint is written every `checkpoint_every_n_steps` optimizer
     steps and at every epoch's end; a checkpoint made with the same params is resumed from.
     """
+    # Inductor draws its own fused dropout masks under compile; CUDA's dropout is already fused.
+    use_fast_dropout = params.fast_dropout and device.type == "cpu" and not params.compile
+    with fast_dropout(model) if use_fast_dropout else nullcontext():
+        return _train(
+            model,
+            train,
+            validation,
+            params,
+            pad_id=pad_id,
+            device=device,
+            precision=precision,
+            on_log=on_log,
+            on_epoch_end=on_epoch_end,
+            checkpoint_dir=checkpoint_dir,
+            say=say,
+        )
+
+
+def _train(
+    model: nn.Module,
+    train: TokenizedSplit,
+    validation: TokenizedSplit | None,
+    params: Params,
+    *,
+    pad_id: int,
+    device: torch.device,
+    precision: ResolvedPrecision,
+    on_log: LogFn | None,
+    on_epoch_end: EpochFn | None,
+    checkpoint_dir: Path | None,
+    say: Callable[[str], None],
+) -> TrainResult:
     model.to(device)
     model.train()
     if params.grad_checkpointing:
