@@ -207,10 +207,26 @@ def candidate_values(dim: ChoiceDim | GridDim | UniformDim | LogUniformDim | Ran
 class ResourcesParams(StrictModel):
     """What one trial reserves on the Ray cluster."""
 
-    cpu: PositiveFloat | None = Field(description="CPUs per trial; null: the machine's cores / max_concurrent_trials.")
+    cpu: PositiveFloat | None = Field(
+        description="CPUs per trial (per worker with distributed.num_workers > 1); null: an even share of the cores."
+    )
     gpu: NonNegativeFloat | None = Field(
         description="GPUs per trial (fractions share a GPU); null: 1 with CUDA, else 0."
     )
+
+
+# Sections every trial shares: the Tuner reserves one set of resources for all trials.
+_SHARED_SECTIONS = ("tune", "tracking", "distributed")
+
+
+class DistributedParams(StrictModel):
+    """Data-parallel training inside each trial (Ray Train workers, DDP)."""
+
+    num_workers: PositiveInt = Field(
+        description="Ray Train workers per trial (DDP: gloo on CPU, NCCL on GPUs); 1: the trial trains in its own "
+        "process. batch_size is per worker: the global batch is num_workers x batch_size x grad_accum_steps."
+    )
+    use_gpu: bool | None = Field(description="One GPU per worker; null: when the driver sees CUDA.")
 
 
 class TuneParams(StrictModel):
@@ -292,6 +308,7 @@ class Params(StrictModel):
     )
     data: DataParams = Field(description="Data source, tokenization, batching.")
     model: ModelParams = Field(description="The model fine-tuned.")
+    distributed: DistributedParams = Field(description="Data-parallel workers per trial.")
     tune: TuneParams = Field(description="Ray Tune trials.")
     tracking: TrackingParams = Field(description="MLflow tracking.")
 
@@ -320,6 +337,13 @@ class Params(StrictModel):
             )
         if self.persistent_workers and self.num_workers == 0:
             raise ValueError("persistent_workers: true needs num_workers > 0 (there are no workers to keep)")
+        if self.distributed.use_gpu and self.device == "cpu":
+            raise ValueError("distributed.use_gpu: true gives each worker a GPU; device: cpu cannot use it")
+        if self.distributed.num_workers > 1 and self.batch_size == "auto":
+            raise ValueError(
+                "batch_size: auto probes one process's memory; with distributed.num_workers > 1 set batch_size "
+                "(per worker) explicitly"
+            )
         return self
 
     @model_validator(mode="after")
@@ -327,8 +351,11 @@ class Params(StrictModel):
         # Validate every variant and search dimension now, so a bad one fails before the first trial.
         base = self.model_copy(update={"tune": self.tune.model_copy(update={"variants": {}, "search_space": {}})})
         for key, dim in self.tune.search_space.items():
-            if key.split(".")[0] in ("tune", "tracking"):
-                raise ValueError(f"tune.search_space: key {key!r} cannot vary per trial (tune and tracking are shared)")
+            if key.split(".")[0] in _SHARED_SECTIONS:
+                raise ValueError(
+                    f"tune.search_space: key {key!r} cannot vary per trial (tune, tracking and distributed are shared: "
+                    "every trial reserves the same workers)"
+                )
             try:
                 for value in candidate_values(dim):
                     apply_overrides(base, {key: value})
@@ -336,10 +363,10 @@ class Params(StrictModel):
                 raise ValueError(f"tune.search_space.{key}: {_inner(err)}") from None
         for name, overrides in self.tune.variants.items():
             for key in overrides:
-                if key.split(".")[0] in ("tune", "tracking"):
+                if key.split(".")[0] in _SHARED_SECTIONS:
                     raise ValueError(
                         f"tune.variants.{name}: key {key!r} cannot be overridden per trial "
-                        "(tune and tracking settings are shared by all trials)"
+                        "(tune, tracking and distributed settings are shared by all trials)"
                     )
             try:
                 apply_overrides(base, overrides)

@@ -228,8 +228,11 @@ class RunLogger:
             if self._pending or self._pending_tags:
                 backoff = 1.0 if self._send_pending() else min(backoff * 2, 15.0)
 
-    def close(self, status: str = "FINISHED") -> None:
-        """Deliver everything and end the run with `status`; on a lasting outage, write the fallback file."""
+    def close(self, status: str | None = "FINISHED") -> None:
+        """Deliver everything and end the run with `status`; on a lasting outage, write the fallback file.
+
+        With `status=None` the run is left open: another process (a distributed trial's driver) ends it.
+        """
         self._closing = True
         self._wake.set()
         self._sender.join(timeout=60)
@@ -237,7 +240,8 @@ class RunLogger:
         while True:
             if self._send_pending():
                 try:
-                    self.client.set_terminated(self.run_id, status=status)
+                    if status is not None:
+                        self.client.set_terminated(self.run_id, status=status)
                     return
                 except Exception:  # noqa: BLE001 - lost again between the two calls: retry below
                     pass
@@ -246,7 +250,7 @@ class RunLogger:
             time.sleep(2.0)
         self._write_fallback(status)
 
-    def _write_fallback(self, status: str) -> None:
+    def _write_fallback(self, status: str | None) -> None:
         folder = self.fallback_dir or Path.cwd()
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{self.run_id}.json"

@@ -11,6 +11,7 @@ import json
 import os
 import random
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from pipelines.train.device import resolve_device, resolve_precision
 from pipelines.train.engine import train_model
 
 PARAMS_FILE = "params.json"
+METRICS_FILE = "metrics.json"  # the trial's final metrics, beside its saved model
 # Marks a trial's last result. Not "done": that key is Ray Tune's own and stops the trial.
 FINAL_KEY = "final"
 
@@ -98,7 +100,12 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
         logger.log_tags({**environment_tags(), "overrides": json.dumps(overrides, sort_keys=True)})
         client.log_text(run_id, json.dumps(params.model_dump(mode="json"), indent=2), PARAMS_FILE)
         logger.log_dict(context.tokenize_stats)
-        metrics = _train_and_save(params, context, variant, trial_id, logger, run_id)
+        if params.distributed.num_workers > 1:
+            from pipelines.distributed import run_distributed_trial
+
+            metrics = run_distributed_trial(params, context, variant, trial_id, run_id)
+        else:
+            metrics = train_and_save(params, context, variant, trial_id, run_id, logger, report=tune.report)
         logger.log_dict(metrics, step=int(metrics["optimizer_steps"]))
         status = "FINISHED"
     except Exception as err:
@@ -121,18 +128,36 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
     tune.report({**metrics, "mlflow_run_id": run_id, "variant": variant, FINAL_KEY: 1})
 
 
-def _train_and_save(
-    params: Params, context: TrialContext, variant: str, trial_id: str, logger: RunLogger, run_id: str
+def train_and_save(
+    params: Params,
+    context: TrialContext,
+    variant: str,
+    trial_id: str,
+    run_id: str,
+    logger: RunLogger | None,
+    report: Callable[[dict[str, Any]], None],
+    device: torch.device | None = None,
+    rank: int = 0,
 ) -> dict[str, float]:
+    """Train, evaluate on the test split and save the model; return the run's metrics.
+
+    `report` gets each epoch's validation metrics (Tune's or Ray Train's report). As one
+    rank of a distributed trial (`rank` > 0) it trains and reports only: rank 0 logs to
+    MLflow (`logger` is None elsewhere), evaluates, saves, and returns the metrics; other
+    ranks return {}.
+    """
     torch.set_num_threads(context.threads)
-    seed_everything(params.seed)
+    seed_everything(params.seed)  # the same initial weights on every rank
     tokenized = Path(context.tokenized_dir)
     tokenizer = AutoTokenizer.from_pretrained(tokenized / TOKENIZER_DIR)
     label_names = load_label_names(tokenized)
-    device = resolve_device(params)
+    device = device or resolve_device(params)
     precision = resolve_precision(params, device)
-    logger.log_tags({"precision.resolved": precision, "device.resolved": str(device)})
+    if logger:
+        logger.log_tags({"precision.resolved": precision, "device.resolved": str(device)})
     model = build_model(params.model, label_names, len(tokenizer), params.data.max_length, Path(context.root))
+    if rank:
+        torch.manual_seed(params.seed + rank)  # own dropout masks per rank
     train = TokenizedSplit.load(tokenized / "train")
     longest = int(train.lengths.max())
     if params.data.bucketing:
@@ -140,13 +165,19 @@ def _train_and_save(
     params = resolve_batch_size(
         params, model, longest if params.data.bucketing else params.data.max_length, device, precision
     )
-    logger.log_tags(
-        {"batch_size.resolved": str(params.batch_size), "grad_accum_steps.resolved": str(params.grad_accum_steps)}
-    )
+    if logger:
+        logger.log_tags(
+            {"batch_size.resolved": str(params.batch_size), "grad_accum_steps.resolved": str(params.grad_accum_steps)}
+        )
 
     def on_epoch_end(epoch: int, step: int, metrics: dict[str, float]) -> None:
-        logger.log_dict(metrics, step=step)
-        tune.report({**metrics, "mlflow_run_id": run_id})
+        if logger:
+            logger.log_dict(metrics, step=step)
+        report({**metrics, "mlflow_run_id": run_id})
+
+    def on_log(step: int, point: dict[str, float]) -> None:
+        if logger:
+            logger.log_dict({"train_loss": point["loss"], "lr": point["lr"]}, step=step)
 
     # Keyed by variant and trial index (stable across `dvc repro` runs, unlike Ray's trial id), so a
     # re-run after a crash finds the checkpoint; the params inside decide whether it is resumed.
@@ -165,12 +196,15 @@ def _train_and_save(
         pad_id=tokenizer.pad_token_id,
         device=device,
         precision=precision,
-        on_log=lambda step, point: logger.log_dict({"train_loss": point["loss"], "lr": point["lr"]}, step=step),
+        on_log=on_log,
         on_epoch_end=on_epoch_end,
         checkpoint_dir=checkpoint_dir,
         say=say,
     )
-    logger.log_tags({"checkpoint": " / ".join(resume_messages)})
+    if rank:
+        return {}
+    if logger:
+        logger.log_tags({"checkpoint": " / ".join(resume_messages)})
     evaluation = evaluate_model(
         model,
         TokenizedSplit.load(tokenized / "test"),
@@ -188,5 +222,7 @@ def _train_and_save(
     (out / LABELS_FILE).write_text(json.dumps({"names": label_names}, indent=2) + "\n", encoding="utf-8")
     (out / PARAMS_FILE).write_text(json.dumps(params.model_dump(mode="json"), indent=2, sort_keys=True) + "\n")
     (out / "history.json").write_text(json.dumps(result.history) + "\n")
+    metrics = {**result.metrics, **evaluation.metrics}
+    (out / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     discard(checkpoint_dir)  # finished: a later run with the same params must train, not skip
-    return {**result.metrics, **evaluation.metrics}
+    return metrics

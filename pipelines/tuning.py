@@ -86,13 +86,31 @@ def param_space(params: Params) -> dict[str, Any]:
 
 
 def trial_resources(params: Params, cpus: int) -> dict[str, float]:
-    """CPUs and GPUs per trial: as declared, else an even share of the cores and one GPU when CUDA is present."""
+    """CPUs and GPUs per trial: as declared, else an even share of the cores and one GPU when CUDA is present.
+
+    A distributed trial is only its workers' driver: it reserves one CPU, and each of its
+    workers reserves `worker_threads` CPUs (and a GPU with distributed.use_gpu).
+    """
     import torch
 
+    if params.distributed.num_workers > 1:
+        return {"cpu": 1, "gpu": 0}
     declared = params.tune.resources_per_trial
     cpu = declared.cpu or max(1, cpus // params.tune.max_concurrent_trials)
     gpu = declared.gpu if declared.gpu is not None else (1.0 if torch.cuda.is_available() else 0.0)
     return {"cpu": cpu, "gpu": gpu}
+
+
+def worker_threads(params: Params, cpus: int) -> int:
+    """torch threads (and Ray CPUs) per training process: per trial, or per worker of a distributed trial."""
+    declared = params.tune.resources_per_trial.cpu
+    processes = params.tune.max_concurrent_trials * params.distributed.num_workers
+    return max(1, int(declared or cpus // processes))
+
+
+def local_ray_cpus(params: Params, cpus: int) -> int:
+    """Logical CPUs of a local Ray: the cores, plus one per concurrent distributed trial for its idle driver."""
+    return cpus + (params.tune.max_concurrent_trials if params.distributed.num_workers > 1 else 0)
 
 
 def _scheduler(params: Params) -> Any:
@@ -142,13 +160,13 @@ def run_tuning(
         tracking_uri=tracking_uri,
         experiment_id=experiment_id,
         parent_run_id=parent_run_id,
-        threads=max(1, int(resources["cpu"])),
+        threads=worker_threads(params, cpus),
         scheduler=params.tune.scheduler,
         tokenize_stats=tokenize_stats,
     )
     status = "FAILED"
     try:
-        init_ray(cpus, params.tune.address)
+        init_ray(local_ray_cpus(params, cpus), params.tune.address)
         from ray.tune.search import BasicVariantGenerator
 
         tuner = tune.Tuner(

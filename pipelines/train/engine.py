@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -102,7 +103,7 @@ def forward_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Te
 def backward_micro_batch(
     model: nn.Module,
     batch: dict[str, torch.Tensor],
-    rows_in_window: int,
+    rows_in_window: float,
     precision: ResolvedPrecision,
     device: torch.device,
     scaler: torch.amp.GradScaler,
@@ -150,9 +151,16 @@ def accumulate_window(
     device: torch.device,
     scaler: torch.amp.GradScaler,
     meter: SavedActivationMeter | None,
+    rows_in_window: float | None = None,
 ) -> tuple[torch.Tensor, tuple[int, int, float]]:
-    """Forward and backward every micro-batch of one window; return its loss and (rows, real tokens, data wait s)."""
-    rows_in_window = sum(len(batch) for batch in window)
+    """Forward and backward every micro-batch of one window; return its loss and (rows, real tokens, data wait s).
+
+    The loss is divided by `rows_in_window` (default: this window's rows). Under data parallelism
+    the caller passes the rows of the *global* window divided by the rank count, so that DDP's
+    gradient average over ranks gives the mean over every row of the global batch.
+    """
+    if rows_in_window is None:
+        rows_in_window = sum(len(batch) for batch in window)
     total = torch.zeros((), device=device)
     rows = tokens = 0
     wait = 0.0
@@ -204,6 +212,32 @@ def evaluate_split(
     return logits, float(total_loss) / len(split)
 
 
+def world() -> tuple[int, int]:
+    """(rank, world size) of the initialised torch.distributed process group, else (0, 1)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def global_window_rows(sampler: LengthGroupedBatchSampler, epoch: int, accum: int) -> list[int]:
+    """Rows of each optimizer step's global window: every rank's window s together.
+
+    Computed from the sampler's global batch plan, which every rank knows, so no communication.
+    """
+    all_batches = sampler.global_batches(epoch)
+    per_rank = [plan_windows(all_batches[r :: sampler.num_replicas], accum) for r in range(sampler.num_replicas)]
+    return [sum(len(b) for windows in per_rank for b in windows[s]) for s in range(len(per_rank[0]))]
+
+
+def _all_reduce(values: list[float], op: str, device: torch.device) -> list[float]:
+    """Reduce host numbers across ranks (a no-op without a process group)."""
+    if world()[1] == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
 def current_lr(optimizer: torch.optim.Optimizer) -> float:
     """The learning rate of the first parameter group (what every schedule here sets)."""
     return float(optimizer.param_groups[0]["lr"])
@@ -233,6 +267,10 @@ def train_model(
 
     With `checkpoint_dir`, a checkpoint is written every `checkpoint_every_n_steps` optimizer
     steps and at every epoch's end; a checkpoint made with the same params is resumed from.
+
+    Inside an initialised torch.distributed process group (a Ray Train worker), the model is
+    wrapped in DDP, each rank trains on its shard of every global batch, rank 0 alone writes
+    checkpoints, and the logged loss and final metrics are reduced across ranks.
     """
     # Inductor draws its own fused dropout masks under compile; CUDA's dropout is already fused.
     use_fast_dropout = params.fast_dropout and device.type == "cpu" and not params.compile
@@ -275,7 +313,12 @@ def _train(
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
         torch.cuda.reset_peak_memory_stats(device)
-    forward_model = torch.compile(model) if params.compile else model
+    rank, world_size = world()
+    forward_model: nn.Module = model
+    if world_size > 1:
+        forward_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if params.compile:
+        forward_model = torch.compile(forward_model)
 
     sampler = LengthGroupedBatchSampler(
         train.lengths,
@@ -283,6 +326,8 @@ def _train(
         bucketing=params.data.bucketing,
         seed=params.seed,
         max_tokens=params.data.max_tokens_per_batch,
+        num_replicas=world_size,
+        rank=rank,
     )
     accum = params.grad_accum_steps
     total_steps = sum(math.ceil(len(sampler.batches(e)) / accum) for e in range(params.epochs))
@@ -302,7 +347,8 @@ def _train(
             state = restore(payload, model, optimizer, scheduler, scaler)
 
     def checkpoint() -> None:
-        if checkpoint_dir is not None:
+        # Every rank holds the same weights and optimizer state: rank 0 alone writes them.
+        if checkpoint_dir is not None and rank == 0:
             state.logged_loss = float(logged_loss)
             state.elapsed_s = time.perf_counter() - start + elapsed_before
             save_checkpoint(checkpoint_dir, params, state, model, optimizer, scheduler, scaler)
@@ -316,6 +362,8 @@ def _train(
     while state.epoch < params.epochs:
         epoch = state.epoch
         windows = plan_windows(sampler.batches(epoch), accum, halvings=state.oom_halvings)
+        # Under DDP each rank's loss is divided by (global window rows / ranks); see accumulate_window.
+        window_rows = [r / world_size for r in global_window_rows(sampler, epoch, accum)] if world_size > 1 else None
         loader = None
         step_start = time.perf_counter()
         while state.window < len(windows):
@@ -326,7 +374,14 @@ def _train(
             measure = activations if state.step < _ACTIVATION_MEASURE_STEPS else None
             try:
                 window_loss, counts = accumulate_window(
-                    forward_model, loader, windows[state.window], precision, device, scaler, measure
+                    forward_model,
+                    loader,
+                    windows[state.window],
+                    precision,
+                    device,
+                    scaler,
+                    measure,
+                    window_rows[state.window] if window_rows else None,
                 )
             except OUT_OF_MEMORY:
                 optimizer.zero_grad(set_to_none=True)
@@ -370,12 +425,14 @@ def _train(
             state.step_times.append(now - step_start)
             step_start = now
             if state.step % params.log_every_n_steps == 0 or state.step == total_steps:
-                # The one host-device sync of the loop, every log_every_n_steps steps.
-                consecutive, total_bad = (int(v) for v in nonfinite.tolist())
+                # The one host-device sync of the loop, every log_every_n_steps steps (and, under
+                # DDP, its one extra all-reduce: the global loss and the worst rank's counters).
+                consecutive, total_bad = (int(v) for v in _all_reduce(nonfinite.tolist(), "max", device))
+                interval_loss = _all_reduce([float(logged_loss)], "sum", device)[0] / world_size
                 bad_in_interval = total_bad - state.nonfinite_total
                 state.nonfinite_consecutive, state.nonfinite_total = consecutive, total_bad
                 good = state.logged_windows - bad_in_interval
-                point = {"loss": float(logged_loss) / good if good else float("nan"), "lr": current_lr(optimizer)}
+                point = {"loss": interval_loss / good if good else float("nan"), "lr": current_lr(optimizer)}
                 if scaler.is_enabled():
                     # Each skipped fp16 step halves the scale (growth happens once per 2,000 clean steps).
                     new_scale = scaler.get_scale()
@@ -413,7 +470,30 @@ def _train(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     train_time = time.perf_counter() - start + elapsed_before
-    return TrainResult(metrics=_final_metrics(state, train_time, model, optimizer, device), history=state.history)
+    metrics = _final_metrics(state, train_time, model, optimizer, device)
+    if world_size > 1:
+        metrics = _reduce_final_metrics(metrics, device)
+    return TrainResult(metrics=metrics, history=state.history)
+
+
+# Under DDP: rows and tokens add up over ranks; times and memory peaks take the slowest/largest rank.
+_MAXED = ("train_time_s", "data_wait_fraction", "peak_rss_bytes", "peak_memory_bytes", "peak_reserved_bytes")
+
+
+def _reduce_final_metrics(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
+    """The run's global metrics: rows and tokens of every rank over the slowest rank's time."""
+    rows, tokens = _all_reduce(
+        [metrics["samples_per_s"] * metrics["train_time_s"], metrics["tokens_per_s"] * metrics["train_time_s"]],
+        "sum",
+        device,
+    )
+    maxed = [k for k in _MAXED if k in metrics]
+    reduced = dict(zip(maxed, _all_reduce([metrics[k] for k in maxed], "max", device), strict=True))
+    out = {**metrics, **reduced}
+    out["samples_per_s"] = rows / out["train_time_s"]
+    out["tokens_per_s"] = tokens / out["train_time_s"]
+    out["world_size"] = float(world()[1])
+    return out
 
 
 def _final_metrics(

@@ -1,0 +1,122 @@
+"""Data-parallel trials: each Ray Tune trial drives a Ray Train `TorchTrainer` of N DDP workers.
+
+Ray Train V2's pattern (docs: "Hyperparameter Tuning with Ray Tune"): the Tune trial is only
+the driver. It opens the trial's one MLflow run, starts the workers and waits; Ray Train sets
+up the process group (gloo on CPU, NCCL on GPUs), and each worker runs the same engine, which
+sees the process group, wraps the model in DDP and trains on its rank's shard of every global
+batch. Rank 0 alone logs to that MLflow run, writes checkpoints, evaluates and saves the
+model; the metrics it reports are the global ones (the engine reduces them across ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipelines.params import Params
+from pipelines.trial import FINAL_KEY, METRICS_FILE, TrialContext, train_and_save
+
+
+def resolve_use_gpu(params: Params) -> bool:
+    """Whether each worker takes a GPU: as declared, else when this (driver) process sees CUDA."""
+    use_gpu = params.distributed.use_gpu
+    if use_gpu is None:
+        return params.device != "cpu" and torch.cuda.is_available()
+    return use_gpu
+
+
+def _epoch_reports_to_tune() -> Any:
+    """Ray's TuneReportCallback, except for the workers' final report, which the driver sends itself.
+
+    The driver reports the final metrics only after closing the MLflow run, as a
+    single-process trial does, so a scheduler that stops the trial on that report cannot
+    leave the run open.
+    """
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    class EpochReportsToTune(TuneReportCallback):
+        def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
+            if not metrics[0].get(FINAL_KEY):
+                super().after_report(run_context, metrics, checkpoint)
+
+    return EpochReportsToTune()
+
+
+def run_distributed_trial(
+    params: Params, context: TrialContext, variant: str, trial_id: str, run_id: str
+) -> dict[str, float]:
+    """Driver side: train on `distributed.num_workers` Ray Train workers; return rank 0's final metrics.
+
+    Rank 0 saves the model beside the driver's staging folder, so the repository's folder must be
+    the same shared path on every node (see the README's "Running on a Ray cluster").
+    """
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    use_gpu = resolve_use_gpu(params)
+    trainer = TorchTrainer(
+        train_worker,
+        train_loop_config={
+            "params": params.model_dump(mode="json"),
+            "context": context,
+            "variant": variant,
+            "trial_id": trial_id,
+            "run_id": run_id,
+            "use_gpu": use_gpu,
+        },
+        scaling_config=ScalingConfig(
+            num_workers=params.distributed.num_workers,
+            use_gpu=use_gpu,
+            resources_per_worker={"CPU": context.threads, **({"GPU": 1} if use_gpu else {})},
+        ),
+        run_config=RunConfig(
+            name=f"{variant}-{trial_id}",
+            storage_path=str(Path(context.root) / "ray_results"),
+            callbacks=[_epoch_reports_to_tune()],
+        ),
+    )
+    trainer.fit()
+    # Rank 0 saved the model and its final metrics to the trial's staging folder (shared storage).
+    return json.loads((Path(context.staging_dir) / trial_id / METRICS_FILE).read_text())
+
+
+def train_worker(config: dict[str, Any]) -> None:
+    """One Ray Train worker (one DDP rank) of a distributed trial."""
+    import ray.train
+    import ray.train.torch
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.tracking import RunLogger
+
+    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"  # RunLogger retries on its own thread
+    os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = "10"
+    context: TrialContext = config["context"]
+    params = Params.model_validate(config["params"])
+    rank = ray.train.get_context().get_world_rank()
+    device = ray.train.torch.get_device() if config["use_gpu"] else torch.device("cpu")
+    logger = None
+    if rank == 0:
+        client = MlflowClient(tracking_uri=context.tracking_uri)
+        logger = RunLogger(client, config["run_id"], fallback_dir=Path(context.root) / "mlflow-fallback")
+    try:
+        metrics = train_and_save(
+            params,
+            context,
+            config["variant"],
+            config["trial_id"],
+            config["run_id"],
+            logger,
+            report=ray.train.report,
+            device=device,
+            rank=rank,
+        )
+    finally:
+        if logger is not None:
+            logger.close(status=None)  # the driver ends the run
+    # Every rank reports as often as the others (Ray Train's report is a barrier). The driver
+    # reads the final metrics from the staging folder and reports them to Tune itself.
+    ray.train.report({FINAL_KEY: 1, **({"test_accuracy": metrics["test_accuracy"]} if metrics else {})})
