@@ -121,3 +121,16 @@ def test_readme_params_reference_matches_schema(default_params):
     assert section == reference_markdown(default_params), "README is stale: run `python -m pipelines.params_doc`"
     for key in flatten_params(default_params):
         assert f"| `{key}` |" in section
+
+
+def test_train_stage_re_runs_when_any_training_param_changes():
+    """Every top-level param is a dependency of the train stage in dvc.yaml (data: the keys training reads)."""
+    import yaml
+
+    from pipelines.params import Params
+
+    listed = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())["stages"]["train"]["params"]
+    top_level = {key.split(".")[0] for key in listed}
+    assert set(Params.model_fields) - {"data"} <= top_level, set(Params.model_fields) - top_level - {"data"}
+    for key in ("data.bucketing", "data.pad_to_multiple_of", "data.max_length", "data.max_tokens_per_batch"):
+        assert key in listed
