@@ -134,3 +134,27 @@ def test_train_stage_re_runs_when_any_training_param_changes():
     assert set(Params.model_fields) - {"data"} <= top_level, set(Params.model_fields) - top_level - {"data"}
     for key in ("data.bucketing", "data.pad_to_multiple_of", "data.max_length", "data.max_tokens_per_batch"):
         assert key in listed
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"device": "cpu", "distributed": {"num_workers": 2, "use_gpu": True}}, ("distributed.use_gpu", "device: cpu")),
+        (
+            {"batch_size": "auto", "effective_batch_size": 32, "distributed": {"num_workers": 2, "use_gpu": None}},
+            ("batch_size: auto", "distributed.num_workers"),
+        ),
+        ({"distributed": {"num_workers": 0, "use_gpu": None}}, ("distributed.num_workers = 0",)),
+    ],
+)
+def test_distributed_combinations_name_both_keys(changes, expected):
+    message = error_of(raw_defaults() | changes)
+    for part in expected:
+        assert part in message, message
+
+
+def test_distributed_settings_cannot_vary_per_trial():
+    raw = raw_defaults()
+    raw["tune"]["variants"] = {"two": {"distributed.num_workers": 2}}
+    message = error_of(raw)
+    assert "tune.variants.two" in message and "distributed.num_workers" in message and "shared" in message

@@ -1,0 +1,22 @@
+"""What a trial reserves on Ray: a single-process trial, or a distributed trial's driver and workers."""
+
+from __future__ import annotations
+
+from pipelines.tuning import local_ray_cpus, trial_resources, worker_threads
+from tests.conftest import tiny_params
+
+
+def test_single_process_trials_share_the_cores(default_params):
+    params = tiny_params(default_params, **{"tune.max_concurrent_trials": 2})
+    assert trial_resources(params, 8)["cpu"] == 4
+    assert worker_threads(params, 8) == 4
+    assert local_ray_cpus(params, 8) == 8
+
+
+def test_distributed_trial_is_a_one_cpu_driver_and_its_workers_share_the_cores(default_params):
+    params = tiny_params(default_params, **{"tune.max_concurrent_trials": 2, "distributed.num_workers": 2})
+    assert trial_resources(params, 8) == {"cpu": 1, "gpu": 0}
+    assert worker_threads(params, 8) == 2  # 2 trials x 2 workers on 8 cores
+    assert local_ray_cpus(params, 8) == 10  # one logical CPU more per concurrent driver
+    declared = tiny_params(params, **{"tune.resources_per_trial.cpu": 3})
+    assert worker_threads(declared, 8) == 3  # declared CPUs are per worker when distributed

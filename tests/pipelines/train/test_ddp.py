@@ -1,0 +1,62 @@
+"""DDP over gloo, two real processes: ranks with unequal rows still give the global mean gradient."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator
+from pipelines.train.engine import accumulate_window, global_window_rows, plan_windows
+from tests.pipelines.train.helpers import tiny_model, tiny_split
+
+CPU = torch.device("cpu")
+# Rank 0 gets 10 rows of unequal lengths, rank 1 gets 4: one global window of 14 rows.
+RANK_BATCHES = [[list(range(0, 6)), list(range(6, 10))], [list(range(10, 14))]]
+
+
+def _rank(rank: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        model = DistributedDataParallel(tiny_model(seed=0))
+        split = tiny_split(rows=14, seed=1)
+        collate = PadCollator(split, pad_id=0, fixed_length=None, pad_to_multiple_of=None)
+        window = RANK_BATCHES[rank]
+        global_rows = sum(len(b) for batches in RANK_BATCHES for b in batches)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        loader = iter(collate(b) for b in window)
+        accumulate_window(model, loader, window, "fp32", CPU, scaler, None, global_rows / 2)
+        if rank == 0:
+            torch.save({n: p.grad for n, p in model.module.named_parameters()}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_with_unequal_rows_give_the_mean_gradient_over_all_rows(tmp_path: Path):
+    out = tmp_path / "grads.pt"
+    mp.spawn(_rank, args=(str(tmp_path / "store"), str(out)), nprocs=2, join=True)
+    ddp = torch.load(out)
+
+    model = tiny_model(seed=0)
+    split = tiny_split(rows=14, seed=1)
+    collate = PadCollator(split, pad_id=0, fixed_length=None, pad_to_multiple_of=None)
+    everything = [b for batches in RANK_BATCHES for b in batches]
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    accumulate_window(model, iter(collate(b) for b in everything), everything, "fp32", CPU, scaler, None)
+    worst = max((ddp[n] - p.grad).abs().max().item() for n, p in model.named_parameters())
+    assert worst < 1e-6, worst
+
+
+def test_global_window_rows_add_every_rank_s_window():
+    lengths = torch.randint(4, 40, (50,)).numpy()
+    sampler = LengthGroupedBatchSampler(lengths, 8, num_replicas=2, rank=0, seed=3)
+    rows = global_window_rows(sampler, epoch=0, accum=2)
+    plan = sampler.global_batches(0)
+    per_rank = [plan_windows(plan[r::2], 2) for r in range(2)]
+    assert rows == [sum(len(b) for w in (per_rank[0][s], per_rank[1][s]) for b in w) for s in range(len(rows))]
+    assert sum(rows) == 50  # every row in exactly one global window
