@@ -25,7 +25,10 @@ def resolve_use_gpu(params: Params) -> bool:
     """Whether each worker takes a GPU: as declared, else when this (driver) process sees CUDA."""
     use_gpu = params.distributed.use_gpu
     if use_gpu is None:
-        return params.device != "cpu" and torch.cuda.is_available()
+        # Locally, only when there is a GPU for every worker (else Ray would wait for one forever).
+        on_cluster = bool(params.tune.address or os.environ.get("RAY_ADDRESS"))
+        enough = on_cluster or torch.cuda.device_count() >= params.distributed.num_workers
+        return params.device != "cpu" and torch.cuda.is_available() and enough
     return use_gpu
 
 

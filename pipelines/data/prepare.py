@@ -24,10 +24,15 @@ from pipelines.data.tokenization import (
 from pipelines.params import DataParams, Params
 
 
-def length_stats(lengths: np.ndarray, data: DataParams, batch_size: int, seed: int) -> dict[str, float]:
-    """Length percentiles and the padding fraction of the configured batching vs fixed padding (0..1)."""
+def length_stats(
+    lengths: np.ndarray, data: DataParams, batch_size: int, seed: int, shuffle: bool = True
+) -> dict[str, float]:
+    """Length percentiles and the padding fraction of the configured batching vs fixed padding (0..1).
+
+    `shuffle`: batched as training batches them (True), or as evaluation does (False, in order).
+    """
     sampler = LengthGroupedBatchSampler(
-        lengths, batch_size, bucketing=data.bucketing, seed=seed, max_tokens=data.max_tokens_per_batch
+        lengths, batch_size, bucketing=data.bucketing, shuffle=shuffle, seed=seed, max_tokens=data.max_tokens_per_batch
     )
     batches = sampler.batches(0)
     if data.bucketing:
@@ -70,6 +75,6 @@ def prepare_dataset(params: Params, root: Path, out_dir: Path) -> dict[str, Any]
         stats[split] = {
             "rows": len(table),
             "truncated_fraction": round(truncated / len(table), 6),
-            **length_stats(lengths, data, params.batch_size, params.seed),
+            **length_stats(lengths, data, params.batch_size, params.seed, shuffle=split == "train"),
         }
     return stats

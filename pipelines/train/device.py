@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from contextlib import AbstractContextManager, nullcontext
 from typing import Literal
 
@@ -49,11 +50,26 @@ def check_runtime(params: Params) -> None:
             "precision = 'fp16' (with loss scaling) is for GPUs, and device: auto found none; "
             "use precision: bf16, fp32 or auto"
         )
+    _check_worker_gpus(params)
     if params.optim == "adamw_8bit":
         if device.type != "cuda":
             raise UserError("optim = 'adamw_8bit' needs CUDA (bitsandbytes); allowed here: adamw, adafactor, sgd")
         if importlib.util.find_spec("bitsandbytes") is None:
             raise UserError("optim = 'adamw_8bit' needs the bitsandbytes package: pip install bitsandbytes")
+
+
+def _check_worker_gpus(params: Params) -> None:
+    """On a local Ray, GPU workers need that many GPUs here; Ray would otherwise wait for them forever."""
+    wanted = params.distributed.num_workers
+    if wanted < 2 or not params.distributed.use_gpu or params.tune.address or os.environ.get("RAY_ADDRESS"):
+        return  # null use_gpu follows CUDA; on a cluster, the nodes' GPUs count, not this machine's
+    present = torch.cuda.device_count()
+    if present < wanted:
+        raise UserError(
+            f"distributed.use_gpu = true with distributed.num_workers = {wanted} needs {wanted} GPUs; this machine "
+            f"has {present} and no Ray cluster is set (tune.address or RAY_ADDRESS); lower num_workers or set "
+            "use_gpu: false"
+        )
 
 
 def autocast_context(precision: ResolvedPrecision, device: torch.device) -> AbstractContextManager[object]:

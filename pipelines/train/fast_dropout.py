@@ -108,14 +108,17 @@ def math_attention(
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    scores = torch.matmul(query, key.transpose(-2, -1)) * scaling
+    # Scale q (length x head_dim) rather than the scores (length x length): fewer elements.
+    scores = torch.matmul(query * scaling, key.transpose(-2, -1))
     if attention_mask is not None:
         mask = attention_mask[:, :, :, : key.shape[-2]]
         if mask.dtype == torch.bool:
             scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         else:
             scores = scores + mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    # torch's CPU softmax computes in fp32 for bf16/fp16 inputs and rounds once on output, which
+    # is what an fp32 softmax followed by a cast gives, without the fp32 copy of the scores.
+    probs = torch.softmax(scores, dim=-1)
     probs = apply_dropout(probs, dropout_p)
     return torch.matmul(probs, value).transpose(1, 2).contiguous()
 

@@ -68,6 +68,13 @@ CASES = [
         "tracking.uri = 'http://127.0.0.1:9': the MLflow server is unreachable",
     ),
     ("CUDA-only option without CUDA", "train", {"optim": "adamw_8bit"}, None, "optim = 'adamw_8bit' needs CUDA"),
+    (
+        "more GPU workers than CUDA devices",
+        "train",
+        {"distributed.num_workers": 2, "distributed.use_gpu": True},
+        None,
+        "distributed.use_gpu = true with distributed.num_workers = 2 needs 2 GPUs",
+    ),
 ]
 
 
