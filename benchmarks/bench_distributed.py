@@ -20,7 +20,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from benchmarks.common import ag_news_params, require_assets
@@ -32,6 +31,7 @@ CONFIGS = {
 
 
 def run_one(name: str, root: Path, train_rows: int, batch: int) -> dict[str, float]:
+    from benchmarks.bench_train import subset
     from pipelines.data.prepare import prepare_dataset
     from pipelines.data.tokenization import TokenizedSplit
     from pipelines.tuning import run_tuning
@@ -54,14 +54,7 @@ def run_one(name: str, root: Path, train_rows: int, batch: int) -> dict[str, flo
     tokenized = root / "data" / "tokenized"
     if not tokenized.exists():
         prepare_dataset(params, root, tokenized)
-        train = TokenizedSplit.load(tokenized / "train")
-        n = min(train_rows, len(train))
-        end = int(train.lengths[:n].sum())
-        # Copies: the loaded arrays are memory-mapped from the files being overwritten.
-        ids, lengths, labels = np.array(train.input_ids[:end]), np.array(train.lengths[:n]), np.array(train.labels[:n])
-        subset = TokenizedSplit(ids, lengths, labels)
-        del train
-        subset.save(tokenized / "train")
+        subset(TokenizedSplit.load(tokenized / "train"), train_rows).save(tokenized / "train")
     out = root / f"models-{params.distributed.num_workers}"
     out.mkdir()
     summary = run_tuning(params, root, tokenized, out, {})

@@ -85,7 +85,8 @@ def subset(split, rows: int):
 
     n = min(rows, len(split))
     end = int(split.lengths[:n].sum())
-    return TokenizedSplit(np.asarray(split.input_ids[:end]), split.lengths[:n], split.labels[:n])
+    # Copies, not views of the memory-mapped files: callers may save the subset over them.
+    return TokenizedSplit(np.array(split.input_ids[:end]), np.array(split.lengths[:n]), np.array(split.labels[:n]))
 
 
 def run_ours(params, model, train, test, pad_id: int) -> dict[str, float]:

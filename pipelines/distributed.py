@@ -11,13 +11,12 @@ model; the metrics it reports are the global ones (the engine reduces them acros
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pipelines.params import Params
+from pipelines.params import Params, ray_address
 from pipelines.trial import FINAL_KEY, METRICS_FILE, TrialContext, train_and_save
 
 
@@ -26,8 +25,7 @@ def resolve_use_gpu(params: Params) -> bool:
     use_gpu = params.distributed.use_gpu
     if use_gpu is None:
         # Locally, only when there is a GPU for every worker (else Ray would wait for one forever).
-        on_cluster = bool(params.tune.address or os.environ.get("RAY_ADDRESS"))
-        enough = on_cluster or torch.cuda.device_count() >= params.distributed.num_workers
+        enough = bool(ray_address(params)) or torch.cuda.device_count() >= params.distributed.num_workers
         return params.device != "cpu" and torch.cuda.is_available() and enough
     return use_gpu
 
@@ -93,10 +91,9 @@ def train_worker(config: dict[str, Any]) -> None:
     import ray.train.torch
     from mlflow.tracking import MlflowClient
 
-    from pipelines.tracking import RunLogger
+    from pipelines.tracking import RunLogger, leave_retries_to_run_logger
 
-    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"  # RunLogger retries on its own thread
-    os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = "10"
+    leave_retries_to_run_logger()
     context: TrialContext = config["context"]
     params = Params.model_validate(config["params"])
     rank = ray.train.get_context().get_world_rank()
@@ -104,7 +101,7 @@ def train_worker(config: dict[str, Any]) -> None:
     logger = None
     if rank == 0:
         client = MlflowClient(tracking_uri=context.tracking_uri)
-        logger = RunLogger(client, config["run_id"], fallback_dir=Path(context.root) / "mlflow-fallback")
+        logger = RunLogger(client, config["run_id"], fallback_dir=context.fallback_dir)
     try:
         metrics = train_and_save(
             params,

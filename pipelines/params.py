@@ -476,3 +476,8 @@ def resolve_repo_root(params_path: str | os.PathLike[str] = "params.yaml") -> Pa
     """
     root = os.environ.get("DVC_ROOT")
     return Path(root).resolve() if root else Path(params_path).resolve().parent
+
+
+def ray_address(params: Params) -> str | None:
+    """The Ray cluster to join: `tune.address`, else RAY_ADDRESS, else None (a local Ray)."""
+    return params.tune.address or os.environ.get("RAY_ADDRESS") or None

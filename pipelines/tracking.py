@@ -141,6 +141,13 @@ def environment_tags() -> dict[str, str]:
     return tags
 
 
+def leave_retries_to_run_logger() -> None:
+    """Turn off MLflow's own HTTP retries in this process: RunLogger retries on its own thread,
+    where MLflow's built-in retries would block training for minutes."""
+    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
+    os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = "10"
+
+
 class RunLogger:
     """Sends one run's metrics in batches from a background thread, surviving tracking outages.
 

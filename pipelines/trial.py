@@ -8,7 +8,6 @@ paths, the MLflow run tree), which never enters the search space.
 from __future__ import annotations
 
 import json
-import os
 import random
 import traceback
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from pipelines.errors import UserError
 from pipelines.evaluation import evaluate_model
 from pipelines.model import build_model
 from pipelines.params import Params, apply_overrides
-from pipelines.tracking import RunLogger, environment_tags, log_params, start_run
+from pipelines.tracking import RunLogger, environment_tags, leave_retries_to_run_logger, log_params, start_run
 from pipelines.train.batch_size import resolve_batch_size
 from pipelines.train.checkpoint import discard
 from pipelines.train.device import resolve_device, resolve_precision
@@ -57,6 +56,11 @@ class TrialContext:
     scheduler: str
     tokenize_stats: dict[str, float]
 
+    @property
+    def fallback_dir(self) -> Path:
+        """Where a run's metrics go when the tracking store stays unreachable (see RunLogger)."""
+        return Path(self.root) / "mlflow-fallback"
+
 
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch (CPU and CUDA)."""
@@ -76,9 +80,7 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
     """Ray Tune function trainable: train one configuration and report its metrics."""
     from mlflow.tracking import MlflowClient
 
-    # RunLogger retries on its own thread; MLflow's built-in retries would block training for minutes.
-    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
-    os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = "10"
+    leave_retries_to_run_logger()
     variant = config.get("variant", "default")
     trial_id = tune.get_context().get_trial_id()
     client = MlflowClient(tracking_uri=context.tracking_uri)
@@ -89,7 +91,7 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
         {"variant": variant, "trial_id": trial_id},
         context.parent_run_id,
     )
-    logger = RunLogger(client, run_id, fallback_dir=Path(context.root) / "mlflow-fallback")
+    logger = RunLogger(client, run_id, fallback_dir=context.fallback_dir)
     system_metrics = SystemMetricsMonitor(run_id, sampling_interval=5, tracking_uri=context.tracking_uri)
     system_metrics.start()
     status = "FAILED"

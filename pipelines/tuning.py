@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.errors import UserError
-from pipelines.params import ChoiceDim, GridDim, LogUniformDim, Params, SearchDim, UniformDim
+from pipelines.params import ChoiceDim, GridDim, LogUniformDim, Params, SearchDim, UniformDim, ray_address
 from pipelines.tracking import (
     close_dangling_children,
     close_runs_of_dead_processes,
@@ -42,12 +42,11 @@ _NON_METRIC_KEYS = {
 
 
 def init_ray(num_cpus: int, address: str | None) -> None:
-    """Join the cluster at `address` (or RAY_ADDRESS), else start a local one sized to this machine, dashboard off."""
+    """Join the cluster at `address`, else start a local one sized to this machine, dashboard off."""
     import ray
 
     if ray.is_initialized():
         return
-    address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
@@ -166,7 +165,7 @@ def run_tuning(
     )
     status = "FAILED"
     try:
-        init_ray(local_ray_cpus(params, cpus), params.tune.address)
+        init_ray(local_ray_cpus(params, cpus), ray_address(params))
         from ray.tune.search import BasicVariantGenerator
 
         tuner = tune.Tuner(

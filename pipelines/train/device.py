@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 from contextlib import AbstractContextManager, nullcontext
 from typing import Literal
 
 import torch
 
 from pipelines.errors import UserError
-from pipelines.params import Params
+from pipelines.params import Params, ray_address
 
 ResolvedPrecision = Literal["fp32", "fp16", "bf16"]
 
@@ -61,7 +60,7 @@ def check_runtime(params: Params) -> None:
 def _check_worker_gpus(params: Params) -> None:
     """On a local Ray, GPU workers need that many GPUs here; Ray would otherwise wait for them forever."""
     wanted = params.distributed.num_workers
-    if wanted < 2 or not params.distributed.use_gpu or params.tune.address or os.environ.get("RAY_ADDRESS"):
+    if wanted < 2 or not params.distributed.use_gpu or ray_address(params):
         return  # null use_gpu follows CUDA; on a cluster, the nodes' GPUs count, not this machine's
     present = torch.cuda.device_count()
     if present < wanted:
