@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
 import numpy as np
 import torch
 from transformers import BertConfig, BertForSequenceClassification
@@ -37,3 +43,39 @@ def tiny_split(rows: int = 96, max_len: int = 40, seed: int = 0) -> TokenizedSpl
         row[0], row[-1] = 2, 3
         ids.append(row)
     return TokenizedSplit(np.concatenate(ids).astype(np.int32), lengths, labels.astype(np.int64))
+
+
+# Collectives fail after this long instead of gloo's default 30 minutes.
+PROCESS_GROUP_TIMEOUT = timedelta(seconds=60)
+
+
+@contextmanager
+def loopback_process_group(rank: int, world_size: int, init_method: str) -> Iterator[None]:
+    """A gloo process group over loopback only, destroyed on exit.
+
+    Gloo otherwise picks its interface from the machine's hostname, which on a sandboxed host may resolve to an
+    address that binds but never connects; pinning `lo` keeps a single-machine test self-contained.
+
+    Create DDP models in a function called inside the block, so they are freed before the group is destroyed:
+    a DDP Reducer that drops the group's last reference runs the gloo destructor with the GIL held, and that
+    deadlocks (about one run in ten, measured) when gloo's worker thread still needs the GIL to free the last
+    collective's work.
+    """
+    import torch.distributed as dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group(
+        "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=PROCESS_GROUP_TIMEOUT
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def loopback_init_method() -> str:
+    """A TCP rendezvous on 127.0.0.1 with a free port (a `file://` store hung on one CI filesystem)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"tcp://127.0.0.1:{port}"

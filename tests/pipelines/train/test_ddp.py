@@ -2,44 +2,48 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
 from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator
 from pipelines.train.engine import accumulate_window, global_window_rows, plan_windows
-from tests.pipelines.train.helpers import tiny_model, tiny_split
+from tests.pipelines.train.helpers import loopback_init_method, loopback_process_group, tiny_model, tiny_split
 
 CPU = torch.device("cpu")
 # Rank 0 gets 10 rows of unequal lengths, rank 1 gets 4: one global window of 14 rows.
 RANK_BATCHES = [[list(range(0, 6)), list(range(6, 10))], [list(range(10, 14))]]
 
 
-def _rank(rank: int, store: str, out: str) -> None:
-    import torch.distributed as dist
+def _rank(rank: int, init_method: str, out: str) -> None:
+    torch.set_num_threads(1)
+    with loopback_process_group(rank, 2, init_method):
+        grads = _ddp_gradients(rank)
+    if rank == 0:
+        torch.save(grads, out)
+
+
+def _ddp_gradients(rank: int) -> dict[str, torch.Tensor]:
+    """This rank's gradients after one DDP window (the DDP wrapper is freed on return, before the group)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    try:
-        model = DistributedDataParallel(tiny_model(seed=0))
-        split = tiny_split(rows=14, seed=1)
-        collate = PadCollator(split, pad_id=0, fixed_length=None, pad_to_multiple_of=None)
-        window = RANK_BATCHES[rank]
-        global_rows = sum(len(b) for batches in RANK_BATCHES for b in batches)
-        scaler = torch.amp.GradScaler("cpu", enabled=False)
-        loader = iter(collate(b) for b in window)
-        accumulate_window(model, loader, window, "fp32", CPU, scaler, None, global_rows / 2)
-        if rank == 0:
-            torch.save({n: p.grad for n, p in model.module.named_parameters()}, out)
-    finally:
-        dist.destroy_process_group()
+    model = DistributedDataParallel(tiny_model(seed=0))
+    split = tiny_split(rows=14, seed=1)
+    collate = PadCollator(split, pad_id=0, fixed_length=None, pad_to_multiple_of=None)
+    window = RANK_BATCHES[rank]
+    global_rows = sum(len(b) for batches in RANK_BATCHES for b in batches)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    loader = iter(collate(b) for b in window)
+    accumulate_window(model, loader, window, "fp32", CPU, scaler, None, global_rows / 2)
+    return {n: p.grad for n, p in model.module.named_parameters()}
 
 
 def test_two_ranks_with_unequal_rows_give_the_mean_gradient_over_all_rows(tmp_path: Path):
     out = tmp_path / "grads.pt"
-    mp.spawn(_rank, args=(str(tmp_path / "store"), str(out)), nprocs=2, join=True)
+    _spawn_and_wait(_rank, args=(loopback_init_method(), str(out)), nprocs=2, seconds=180)
     ddp = torch.load(out)
 
     model = tiny_model(seed=0)
@@ -50,6 +54,17 @@ def test_two_ranks_with_unequal_rows_give_the_mean_gradient_over_all_rows(tmp_pa
     accumulate_window(model, iter(collate(b) for b in everything), everything, "fp32", CPU, scaler, None)
     worst = max((ddp[n] - p.grad).abs().max().item() for n, p in model.named_parameters())
     assert worst < 1e-6, worst
+
+
+def _spawn_and_wait(fn, args: tuple, nprocs: int, seconds: float) -> None:
+    """mp.spawn with a deadline: a stuck rank fails the test (and is killed) instead of hanging the suite."""
+    context = mp.spawn(fn, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + seconds
+    while not context.join(timeout=5):  # raises at once if a rank fails
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"{nprocs} gloo ranks did not finish within {seconds:.0f} s")
 
 
 def test_global_window_rows_add_every_rank_s_window():

@@ -12,7 +12,7 @@ from pipelines.train.engine import backward_micro_batch, halve_windows, plan_win
 from pipelines.train.memory import SavedActivationMeter, optimizer_state_bytes, parameter_bytes
 from pipelines.train.optim import build_optimizer
 from tests.conftest import tiny_params
-from tests.pipelines.train.helpers import tiny_model, tiny_split
+from tests.pipelines.train.helpers import loopback_init_method, loopback_process_group, tiny_model, tiny_split
 
 CPU = torch.device("cpu")
 
@@ -293,37 +293,38 @@ def test_nonfinite_loss_stops_the_run_with_a_clear_reason(default_params, monkey
     assert all(math.isfinite(loss) for loss in logged[:4]) and all(math.isnan(loss) for loss in logged[4:])
 
 
-def test_ddp_all_reduces_once_per_accumulation_window(tmp_path):
-    import torch.distributed as dist
+def test_ddp_all_reduces_once_per_accumulation_window():
+    with loopback_process_group(0, 1, loopback_init_method()):
+        per_backward, per_window = _ddp_all_reduce_counts()
+    assert per_backward >= 1  # all-reduces of one synchronised backward (one per gradient bucket)
+    assert per_window == per_backward  # once per window of 4 micro-batches, not 4 times
+
+
+def _ddp_all_reduce_counts() -> tuple[int, int]:
+    """All-reduces for one backward, then for a window of 4 micro-batches (DDP is freed on return)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from pipelines.train.engine import accumulate_window
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        ddp = DistributedDataParallel(tiny_model())
-        calls = []
+    ddp = DistributedDataParallel(tiny_model())
+    calls = []
 
-        def counting_hook(state, bucket):
-            calls.append(1)
-            future = torch.futures.Future()
-            future.set_result(bucket.buffer())
-            return future
+    def counting_hook(state, bucket):
+        calls.append(1)
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
 
-        ddp.register_comm_hook(None, counting_hook)
-        split = tiny_split(rows=32)
-        window = [list(range(i, i + 8)) for i in range(0, 32, 8)]  # 4 micro-batches
-        collate = PadCollator(split, pad_id=0, fixed_length=None, pad_to_multiple_of=None)
-        loader = iter(collate(b) for b in window)
-        scaler = torch.amp.GradScaler("cpu", enabled=False)
-        accumulate_window(ddp, iter([collate(window[0])]), window[:1], "fp32", CPU, scaler, None)
-        per_backward = len(calls)  # all-reduces of one synchronised backward (one per gradient bucket)
-        assert per_backward >= 1
-        calls.clear()
-        accumulate_window(ddp, loader, window, "fp32", CPU, scaler, None)
-        assert len(calls) == per_backward  # once per window of 4 micro-batches, not 4 times
-    finally:
-        dist.destroy_process_group()
+    ddp.register_comm_hook(None, counting_hook)
+    split = tiny_split(rows=32)
+    window = [list(range(i, i + 8)) for i in range(0, 32, 8)]  # 4 micro-batches
+    collate = PadCollator(split, pad_id=0, fixed_length=None, pad_to_multiple_of=None)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    accumulate_window(ddp, iter([collate(window[0])]), window[:1], "fp32", CPU, scaler, None)
+    per_backward = len(calls)
+    calls.clear()
+    accumulate_window(ddp, iter(collate(b) for b in window), window, "fp32", CPU, scaler, None)
+    return per_backward, len(calls)
 
 
 def test_reduce_on_plateau_halves_the_lr_when_validation_loss_stalls(default_params):
