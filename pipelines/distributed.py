@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from pipelines.params import Params, ray_address
+from pipelines.params import Params
+from pipelines.train.device import gpus_for_every_worker
 from pipelines.trial import FINAL_KEY, METRICS_FILE, TrialContext, train_and_save
 
 
@@ -24,9 +25,7 @@ def resolve_use_gpu(params: Params) -> bool:
     """Whether each worker takes a GPU: as declared, else when this (driver) process sees CUDA."""
     use_gpu = params.distributed.use_gpu
     if use_gpu is None:
-        # Locally, only when there is a GPU for every worker (else Ray would wait for one forever).
-        enough = bool(ray_address(params)) or torch.cuda.device_count() >= params.distributed.num_workers
-        return params.device != "cpu" and torch.cuda.is_available() and enough
+        return params.device != "cpu" and torch.cuda.is_available() and gpus_for_every_worker(params)
     return use_gpu
 
 

@@ -57,18 +57,22 @@ def check_runtime(params: Params) -> None:
             raise UserError("optim = 'adamw_8bit' needs the bitsandbytes package: pip install bitsandbytes")
 
 
+def gpus_for_every_worker(params: Params) -> bool:
+    """Whether GPU workers can all be placed: on a Ray cluster (its nodes' GPUs count), or here with a CUDA
+    device per worker. A local Ray would otherwise wait forever for the missing GPUs."""
+    return bool(ray_address(params)) or torch.cuda.device_count() >= params.distributed.num_workers
+
+
 def _check_worker_gpus(params: Params) -> None:
-    """On a local Ray, GPU workers need that many GPUs here; Ray would otherwise wait for them forever."""
+    """Reject `use_gpu: true` with more workers than local GPUs (null use_gpu follows CUDA; see resolve_use_gpu)."""
     wanted = params.distributed.num_workers
-    if wanted < 2 or not params.distributed.use_gpu or ray_address(params):
-        return  # null use_gpu follows CUDA; on a cluster, the nodes' GPUs count, not this machine's
-    present = torch.cuda.device_count()
-    if present < wanted:
-        raise UserError(
-            f"distributed.use_gpu = true with distributed.num_workers = {wanted} needs {wanted} GPUs; this machine "
-            f"has {present} and no Ray cluster is set (tune.address or RAY_ADDRESS); lower num_workers or set "
-            "use_gpu: false"
-        )
+    if wanted < 2 or not params.distributed.use_gpu or gpus_for_every_worker(params):
+        return
+    raise UserError(
+        f"distributed.use_gpu = true with distributed.num_workers = {wanted} needs {wanted} GPUs; this machine "
+        f"has {torch.cuda.device_count()} and no Ray cluster is set (tune.address or RAY_ADDRESS); lower "
+        "num_workers or set use_gpu: false"
+    )
 
 
 def autocast_context(precision: ResolvedPrecision, device: torch.device) -> AbstractContextManager[object]:

@@ -53,12 +53,12 @@ PROCESS_GROUP_TIMEOUT = timedelta(seconds=60)
 def loopback_process_group(rank: int, world_size: int, init_method: str) -> Iterator[None]:
     """A gloo process group over loopback only, destroyed on exit.
 
-    Gloo otherwise picks its interface from the machine's hostname, which on a sandboxed host may resolve to an
-    address that binds but never connects; pinning `lo` keeps a single-machine test self-contained.
+    Gloo otherwise picks its interface from how the machine's hostname resolves; pinning `lo` keeps a
+    single-machine test independent of that.
 
     Create DDP models in a function called inside the block, so they are freed before the group is destroyed:
     a DDP Reducer that drops the group's last reference runs the gloo destructor with the GIL held, and that
-    deadlocks (about one run in ten, measured) when gloo's worker thread still needs the GIL to free the last
+    deadlocks (2 runs in 11, measured) when gloo's worker thread still needs the GIL to free the last
     collective's work.
     """
     import torch.distributed as dist
@@ -74,7 +74,7 @@ def loopback_process_group(rank: int, world_size: int, init_method: str) -> Iter
 
 
 def loopback_init_method() -> str:
-    """A TCP rendezvous on 127.0.0.1 with a free port (a `file://` store hung on one CI filesystem)."""
+    """A TCP rendezvous on 127.0.0.1 with a free port: no store file to place or clean up."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator
-from pipelines.train.engine import backward_micro_batch, halve_windows, plan_windows, train_model
+from pipelines.train.engine import (
+    accumulate_window,
+    backward_micro_batch,
+    halve_windows,
+    plan_windows,
+    train_model,
+)
 from pipelines.train.memory import SavedActivationMeter, optimizer_state_bytes, parameter_bytes
 from pipelines.train.optim import build_optimizer
 from tests.conftest import tiny_params
@@ -303,8 +309,6 @@ def test_ddp_all_reduces_once_per_accumulation_window():
 def _ddp_all_reduce_counts() -> tuple[int, int]:
     """All-reduces for one backward, then for a window of 4 micro-batches (DDP is freed on return)."""
     from torch.nn.parallel import DistributedDataParallel
-
-    from pipelines.train.engine import accumulate_window
 
     ddp = DistributedDataParallel(tiny_model())
     calls = []
