@@ -47,7 +47,7 @@ def _epoch_reports_to_tune() -> Any:
 
 
 def run_distributed_trial(
-    params: Params, context: TrialContext, variant: str, trial_id: str, run_id: str
+    params: Params, context: TrialContext, variant: str, trial_id: str, run_id: str, checkpoint_dir: Path
 ) -> dict[str, float]:
     """Driver side: train on `distributed.num_workers` Ray Train workers; return rank 0's final metrics.
 
@@ -67,6 +67,7 @@ def run_distributed_trial(
             "trial_id": trial_id,
             "run_id": run_id,
             "use_gpu": use_gpu,
+            "checkpoint_dir": str(checkpoint_dir),
         },
         scaling_config=ScalingConfig(
             num_workers=params.distributed.num_workers,
@@ -109,7 +110,8 @@ def train_worker(config: dict[str, Any]) -> None:
             config["trial_id"],
             config["run_id"],
             logger,
-            report=ray.train.report,
+            ray.train.report,
+            Path(config["checkpoint_dir"]),
             device=device,
             rank=rank,
         )

@@ -13,9 +13,10 @@ import torch
 from sklearn.metrics import confusion_matrix, f1_score, precision_recall_fscore_support
 
 from pipelines.data.tokenization import TokenizedSplit
+from pipelines.noise import bootstrap_macro_f1_interval, wilson_interval
 from pipelines.params import Params
 from pipelines.train.device import ResolvedPrecision
-from pipelines.train.engine import evaluate_split
+from pipelines.train.validation import evaluate_split
 
 
 @dataclass
@@ -34,13 +35,24 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def score(labels: np.ndarray, logits: np.ndarray, label_names: list[str]) -> Evaluation:
-    """Accuracy, macro-F1, per-class precision/recall and the confusion matrix of `logits` vs `labels`."""
+    """Accuracy and macro-F1 with 95% intervals, per-class precision/recall, and the confusion matrix.
+
+    Accuracy's interval is Wilson's, macro-F1's a seeded bootstrap over the test rows (pipelines.noise).
+    """
     predicted = logits.argmax(axis=1)
     ids = list(range(len(label_names)))
     precision, recall, _, _ = precision_recall_fscore_support(labels, predicted, labels=ids, zero_division=0)
+    correct = int((predicted == labels).sum())
+    accuracy_low, accuracy_high = wilson_interval(correct, len(labels))
+    f1_low, f1_high = bootstrap_macro_f1_interval(labels, predicted, len(label_names))
     metrics = {
-        "test_accuracy": float((predicted == labels).mean()),
+        "test_accuracy": correct / len(labels) if len(labels) else 0.0,
+        "test_accuracy_ci_low": accuracy_low,
+        "test_accuracy_ci_high": accuracy_high,
         "test_macro_f1": float(f1_score(labels, predicted, labels=ids, average="macro", zero_division=0)),
+        "test_macro_f1_ci_low": f1_low,
+        "test_macro_f1_ci_high": f1_high,
+        "test_rows": float(len(labels)),
     }
     for name, p, r in zip(label_names, precision, recall, strict=True):
         metrics[f"test_precision.{name}"] = float(p)

@@ -86,8 +86,9 @@ class DataParams(StrictModel):
     bucketing: bool = Field(
         description="Length-grouped batches padded to their longest row (false: pad to max_length, random batches)."
     )
-    pad_to_multiple_of: PositiveInt | None = Field(
-        description="Round each batch's padded length up to a multiple of this (tensor-core friendly); null for none."
+    pad_to_multiple_of: PositiveInt | Literal["auto"] | None = Field(
+        description="Round each batch's padded length up to a multiple of this (tensor-core friendly); null for none; "
+        "auto: 8 on CUDA, none on CPU (where rounding only adds padding)."
     )
     max_tokens_per_batch: PositiveInt | None = Field(
         description="With bucketing, fill batches up to this many padded tokens instead of batch_size rows "
@@ -218,6 +219,42 @@ class ResourcesParams(StrictModel):
 # Sections every trial shares: the Tuner reserves one set of resources for all trials.
 _SHARED_SECTIONS = ("tune", "tracking", "distributed")
 
+# Keys the tokenize stage reads to build data/tokenized, once for every trial: a trial cannot change them.
+TOKENIZE_STAGE_KEYS = (
+    "seed",
+    "data.source",
+    "data.generator",
+    "data.text_column",
+    "data.label_column",
+    "data.csv_columns",
+    "data.max_length",
+    "data.val_fraction",
+    "data.test_fraction",
+    "data.num_proc",
+    "model.name_or_path",
+    "model.config.vocab_size",
+    "model.trust_remote_code",
+)
+
+
+def tokenize_stage_key(key: str) -> str | None:
+    """The tokenize-stage key that overriding `key` would change (`data` covers `data.max_length`), else None."""
+    for read in TOKENIZE_STAGE_KEYS:
+        if key == read or read.startswith(key + ".") or key.startswith(read + "."):
+            return read
+    return None
+
+
+def _refuse_tokenize_keys(where: str, keys: list[str]) -> None:
+    for key in keys:
+        read = tokenize_stage_key(key)
+        if read is not None:
+            raise ValueError(
+                f"{where}: key {key!r} changes {read!r}, which the tokenize stage reads: the data is tokenized once for "
+                f"every trial, so a trial cannot change it; run it as its own experiment: dvc exp run -S {read}=..."
+                + (" (repeats with other seeds: tune.num_samples)" if read == "seed" else "")
+            )
+
 
 class DistributedParams(StrictModel):
     """Data-parallel training inside each trial (Ray Train workers, DDP)."""
@@ -295,6 +332,10 @@ class Params(StrictModel):
     prefetch_factor: PositiveInt = Field(description="Batches each DataLoader worker prepares ahead.")
     pin_memory: bool = Field(description="Pin host batches for faster, non-blocking copies (CUDA only).")
     compile: bool = Field(description="torch.compile the model.")
+    tf32: bool | Literal["auto"] = Field(
+        description="TF32 matmuls and convolutions on CUDA; auto: on for bf16/fp16 runs, off for fp32 (a real fp32 "
+        "baseline). No effect on CPU."
+    )
     fast_dropout: bool = Field(
         description="On CPU (without compile): dropout masks from 16-bit lanes of 64-bit draws, about 3x faster "
         "than torch's bernoulli; no effect on CUDA."
@@ -350,6 +391,9 @@ class Params(StrictModel):
     def _variants_are_valid(self) -> Params:
         # Validate every variant and search dimension now, so a bad one fails before the first trial.
         base = self.model_copy(update={"tune": self.tune.model_copy(update={"variants": {}, "search_space": {}})})
+        _refuse_tokenize_keys("tune.search_space", list(self.tune.search_space))
+        for name, overrides in self.tune.variants.items():
+            _refuse_tokenize_keys(f"tune.variants.{name}", list(overrides))
         for key, dim in self.tune.search_space.items():
             if key.split(".")[0] in _SHARED_SECTIONS:
                 raise ValueError(

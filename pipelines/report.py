@@ -1,8 +1,8 @@
 """The comparison report, built from the MLflow runs of one train stage run.
 
-MLflow is the one source of truth: every number in the table is a stored metric,
-printed with `format_metric`, and percentages are against the baseline trial (the
-`vanilla` variant when there is one, else the first trial).
+MLflow is the one source of truth: the table (pipelines.comparison) prints stored metrics,
+percentages against the baseline trial (the `vanilla` variant when there is one, else the
+first trial), with the noise marked. This module renders it as markdown and HTML, with plots.
 """
 
 from __future__ import annotations
@@ -20,93 +20,19 @@ matplotlib.use("Agg")  # no display on servers and in CI
 import matplotlib.pyplot as plt  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from pipelines.tracking import child_runs  # noqa: E402
-
-BASELINE_VARIANT = "vanilla"
-MB = 1024 * 1024
-
-
-@dataclass(frozen=True)
-class Column:
-    """A table column: its header, the MLflow metric behind it, its unit and scale."""
-
-    header: str
-    metric: str
-    unit: str = ""
-    scale: float = 1.0
-    digits: int = 1
-    relative: bool = False  # also print as % of the baseline
-
-
-COLUMNS = (
-    Column("Train time", "train_time_s", " s", relative=True),
-    Column("Samples/s", "samples_per_s", digits=0),
-    Column("Tokens/s", "tokens_per_s", digits=0),
-    Column("Peak memory", "peak_memory_bytes", " MB", scale=1 / MB, relative=True),
-    Column("Optimizer state", "optimizer_state_bytes", " MB", scale=1 / MB, digits=2, relative=True),
-    Column("Activations", "peak_activation_bytes", " MB", scale=1 / MB, digits=2, relative=True),
-    Column("Accuracy", "test_accuracy", "", scale=100, digits=2),
-    Column("Macro-F1", "test_macro_f1", "", scale=100, digits=2),
+from pipelines.comparison import (  # noqa: E402
+    COLUMNS,
+    LEGEND,
+    MB,
+    TrialRow,
+    comparison_table,
+    format_metric,
+    format_relative,
+    load_rows,
+    unknown_noise_note,
 )
 
-
-def format_metric(value: float, column: Column) -> str:
-    """The one rounding rule of the report: scale, then round to the column's digits."""
-    return f"{value * column.scale:,.{column.digits}f}{column.unit}"
-
-
-def format_relative(value: float, baseline: float) -> str:
-    """`value` as a whole percentage of `baseline`."""
-    return f"{round(100 * value / baseline)}%" if baseline else "n/a"
-
-
-@dataclass
-class TrialRow:
-    """One trial's name and metrics as stored in MLflow."""
-
-    name: str
-    run_id: str
-    status: str
-    metrics: dict[str, float]
-    tags: dict[str, str]
-
-
-def load_rows(client: MlflowClient, experiment_id: str, parent_run_id: str) -> list[TrialRow]:
-    """The child runs of the parent run, baseline first, then in start order."""
-    rows = [
-        TrialRow(
-            name=run.data.tags.get("variant", run.info.run_name),
-            run_id=run.info.run_id,
-            status=run.info.status,
-            metrics=dict(run.data.metrics),
-            tags=dict(run.data.tags),
-        )
-        for run in child_runs(client, experiment_id, parent_run_id)
-    ]
-    rows.sort(key=lambda r: r.name != BASELINE_VARIANT)  # stable: keeps start order otherwise
-    return rows
-
-
-def comparison_table(rows: list[TrialRow]) -> list[list[str]]:
-    """Header plus one row per finished trial; relative columns also show % of the baseline (first row)."""
-    finished = [r for r in rows if r.status == "FINISHED"]
-    header = ["Trial"] + [c.header for c in COLUMNS]
-    table = [header]
-    baseline = finished[0].metrics if finished else {}
-    for row in finished:
-        cells = [row.name]
-        for column in COLUMNS:
-            value = row.metrics.get(column.metric)
-            if value is None:
-                cells.append("–")
-                continue
-            cell = format_metric(value, column)
-            if column.relative and column.metric in baseline:
-                cell += f" ({format_relative(value, baseline[column.metric])})"
-            cells.append(cell)
-        table.append(cells)
-    return table
-
+__all__ = ["COLUMNS", "build_report", "comparison_table", "format_metric", "format_relative", "load_rows"]
 
 def markdown_table(table: list[list[str]]) -> str:
     """Render a header-first table as GitHub markdown."""
@@ -121,7 +47,7 @@ def plot_comparison(rows: list[TrialRow], path: Path) -> None:
     names = [r.name for r in finished]
     panels = (
         ("Train time (s)", "train_time_s", 1.0),
-        ("Peak memory (MB)", "peak_memory_bytes", 1 / MB),
+        ("Peak train memory (MB)", "peak_train_memory_bytes", 1 / MB),
         ("Test accuracy (%)", "test_accuracy", 100.0),
     )
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 0.6 * len(names) + 2.2))
@@ -164,7 +90,7 @@ def plot_tradeoff(rows: list[TrialRow], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.6))
     times = [r.metrics.get("train_time_s", 0.0) for r in finished]
     accuracy = [100 * r.metrics["test_accuracy"] for r in finished]
-    memory = [r.metrics.get("peak_memory_bytes", 0.0) / MB for r in finished]
+    memory = [r.metrics.get("peak_train_memory_bytes", 0.0) / MB for r in finished]
     largest = max(memory, default=1.0) or 1.0
     colors = plt.cm.tab10.colors
     for i, row in enumerate(finished):
@@ -183,7 +109,7 @@ def plot_tradeoff(rows: list[TrialRow], path: Path) -> None:
         ax.plot([times[i] for i in front], [accuracy[i] for i in front], "k--", linewidth=1, label="Pareto front")
     ax.set_xlabel("Train time (s)")
     ax.set_ylabel("Test accuracy (%)")
-    ax.set_title("Time vs accuracy (bubble area: peak memory)")
+    ax.set_title("Time vs accuracy (bubble area: peak train memory)")
     ax.grid(alpha=0.3)
     ax.margins(0.15)
     legend = ax.legend(fontsize=8, loc="best")
@@ -239,6 +165,7 @@ class ReportContent:
 
     intro: str
     table: list[list[str]]
+    notes: list[str]
     padding: str | None
     environment: dict[str, str]
     not_finished: list[str]
@@ -267,6 +194,7 @@ def collect_content(rows: list[TrialRow], parent_run_id: str, experiment_id: str
         intro=f"MLflow parent run `{parent_run_id}`, experiment `{experiment_id}`. "
         f"Percentages are relative to the baseline trial `{baseline}`.",
         table=comparison_table(rows),
+        notes=[LEGEND] + [note for note in (unknown_noise_note(rows),) if note],
         padding=_padding_text(rows),
         environment={k.removeprefix("env."): v for k, v in sorted(tags.items()) if k.startswith("env.")},
         not_finished=[_not_finished(r) for r in rows if r.status != "FINISHED"],
@@ -276,6 +204,7 @@ def collect_content(rows: list[TrialRow], parent_run_id: str, experiment_id: str
 def render_markdown(content: ReportContent) -> str:
     """The report as GitHub markdown, images linked beside it."""
     lines = ["# Fine-tuning report", "", content.intro, "", markdown_table(content.table), ""]
+    lines += [f"{note}\n" for note in content.notes]
     lines += [f"![{title}]({name})\n" for title, name in FIGURES]
     if content.padding:
         lines += ["## Padding (train split)", "", content.padding, ""]
@@ -300,7 +229,8 @@ def render_html(content: ReportContent, image_dir: Path) -> str:
         f'{base64.b64encode((image_dir / name).read_bytes()).decode()}"><figcaption>{esc(title)}</figcaption></figure>'
         for title, name in FIGURES
     )
-    parts = [f"<h1>Fine-tuning report</h1><p>{code(content.intro)}</p>", table, figures]
+    notes = "".join(f"<p>{code(note)}</p>" for note in content.notes)
+    parts = [f"<h1>Fine-tuning report</h1><p>{code(content.intro)}</p>", table, notes, figures]
     if content.padding:
         parts.append(f"<h2>Padding (train split)</h2><p>{esc(content.padding)}</p>")
     parts.append(

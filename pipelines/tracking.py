@@ -332,9 +332,18 @@ def child_runs(client: MlflowClient, experiment_id: str, parent_run_id: str) -> 
     )
 
 
-def tracking_client(tracking: TrackingParams, root: Path) -> MlflowClient:
-    """A client on the configured store (resolved against `root`, never a path saved elsewhere)."""
-    return MlflowClient(tracking_uri=resolve_tracking_uri(tracking.uri, root))
+def open_store(
+    tracking: TrackingParams, root: Path, say: Callable[[str], None] = print
+) -> tuple[MlflowClient, str]:
+    """Open the configured store and experiment, and first end as KILLED the runs whose process died.
+
+    Every stage that opens the store calls this, so after a `kill -9` no run stays RUNNING past
+    the next stage that runs, whichever it is (train, evaluate or report).
+    """
+    client, experiment_id = open_experiment(tracking, root)
+    for name in close_runs_of_dead_processes(client, experiment_id):
+        say(f"closed MLflow run {name!r} as KILLED: its process died without ending it")
+    return client, experiment_id
 
 
 def log_evaluation(client: MlflowClient, run_id: str, metrics: Mapping[str, float], artifacts: list[Path]) -> None:

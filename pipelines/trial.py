@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,9 +30,10 @@ from pipelines.model import build_model
 from pipelines.params import Params, apply_overrides
 from pipelines.tracking import RunLogger, environment_tags, leave_retries_to_run_logger, log_params, start_run
 from pipelines.train.batch_size import resolve_batch_size
-from pipelines.train.checkpoint import discard
-from pipelines.train.device import resolve_device, resolve_precision
+from pipelines.train.checkpoint import claim_checkpoint_dir, discard
+from pipelines.train.device import resolve_device, resolve_pad_multiple, resolve_precision
 from pipelines.train.engine import train_model
+from pipelines.train.memory import reset_peak_rss
 
 PARAMS_FILE = "params.json"
 METRICS_FILE = "metrics.json"  # the trial's final metrics, beside its saved model
@@ -70,10 +72,14 @@ def seed_everything(seed: int) -> None:
 
 
 def trial_overrides(config: dict[str, Any], variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The variant's overrides, then any sampled keys (dotted) from the search space."""
+    """The variant's overrides, then any sampled keys (dotted) from the search space (and a repeat's seed)."""
     overrides = dict(variants.get(config.get("variant", ""), {}))
-    overrides.update({k: v for k, v in config.items() if k != "variant"})
+    overrides.update({k: v for k, v in config.items() if k not in ("variant", REPEAT_KEY)})
     return overrides
+
+
+# The config key of a repeat's index (tune.num_samples > 1 without a search space); its seed is under "seed".
+REPEAT_KEY = "repeat"
 
 
 def run_trial(config: dict[str, Any], context: TrialContext) -> None:
@@ -81,6 +87,9 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
     from mlflow.tracking import MlflowClient
 
     leave_retries_to_run_logger()
+    trial_start = time.perf_counter()
+    # Ray starts a fresh process per trial (reuse_actors=False); the reset makes sure of it for RSS.
+    rss_reset = reset_peak_rss()
     variant = config.get("variant", "default")
     trial_id = tune.get_context().get_trial_id()
     client = MlflowClient(tracking_uri=context.tracking_uri)
@@ -88,7 +97,7 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
         client,
         context.experiment_id,
         f"{variant}-{trial_id}",
-        {"variant": variant, "trial_id": trial_id},
+        {"variant": variant, "trial_id": trial_id, **({REPEAT_KEY: str(config[REPEAT_KEY])} if REPEAT_KEY in config else {})},
         context.parent_run_id,
     )
     logger = RunLogger(client, run_id, fallback_dir=context.fallback_dir)
@@ -99,15 +108,25 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
         overrides = trial_overrides(config, context.variants)
         params = apply_overrides(Params.model_validate(context.params), overrides, source=f"variant {variant!r}")
         log_params(client, run_id, params)
-        logger.log_tags({**environment_tags(), "overrides": json.dumps(overrides, sort_keys=True)})
+        logger.log_tags(
+            {
+                **environment_tags(),
+                "overrides": json.dumps(overrides, sort_keys=True),
+                "peak_rss": "reset at trial start" if rss_reset else "process lifetime (no /proc/self/clear_refs)",
+            }
+        )
         client.log_text(run_id, json.dumps(params.model_dump(mode="json"), indent=2), PARAMS_FILE)
         logger.log_dict(context.tokenize_stats)
-        if params.distributed.num_workers > 1:
-            from pipelines.distributed import run_distributed_trial
+        with claim_checkpoint_dir(Path(context.checkpoint_root), params) as checkpoint_dir:
+            if params.distributed.num_workers > 1:
+                from pipelines.distributed import run_distributed_trial
 
-            metrics = run_distributed_trial(params, context, variant, trial_id, run_id)
-        else:
-            metrics = train_and_save(params, context, variant, trial_id, run_id, logger, report=tune.report)
+                metrics = run_distributed_trial(params, context, variant, trial_id, run_id, checkpoint_dir)
+            else:
+                metrics = train_and_save(
+                    params, context, variant, trial_id, run_id, logger, tune.report, checkpoint_dir
+                )
+        metrics["wall_time_s"] = time.perf_counter() - trial_start
         logger.log_dict(metrics, step=int(metrics["optimizer_steps"]))
         status = "FINISHED"
     except Exception as err:
@@ -138,6 +157,7 @@ def train_and_save(
     run_id: str,
     logger: RunLogger | None,
     report: Callable[[dict[str, Any]], None],
+    checkpoint_dir: Path,
     device: torch.device | None = None,
     rank: int = 0,
 ) -> dict[str, float]:
@@ -146,8 +166,11 @@ def train_and_save(
     `report` gets each epoch's validation metrics (Tune's or Ray Train's report). As one
     rank of a distributed trial (`rank` > 0) it trains and reports only: rank 0 logs to
     MLflow (`logger` is None elsewhere), evaluates, saves, and returns the metrics; other
-    ranks return {}.
+    ranks return {}. `checkpoint_dir` is the folder the trial claimed (see claim_checkpoint_dir).
+    Besides the engine's clocks, `setup_time_s` gains the time spent here before training
+    (tokenizer, model, batch-size probe), and test evaluation and saving get their own clocks.
     """
+    setup_start = time.perf_counter()
     torch.set_num_threads(context.threads)
     seed_everything(params.seed)  # the same initial weights on every rank
     tokenized = Path(context.tokenized_dir)
@@ -163,7 +186,7 @@ def train_and_save(
     train = TokenizedSplit.load(tokenized / "train")
     longest = int(train.lengths.max())
     if params.data.bucketing:
-        longest = padded_length(longest, params.data.pad_to_multiple_of)
+        longest = padded_length(longest, resolve_pad_multiple(params, device))
     params = resolve_batch_size(
         params, model, longest if params.data.bucketing else params.data.max_length, device, precision
     )
@@ -181,19 +204,18 @@ def train_and_save(
         if logger:
             logger.log_dict({"train_loss": point["loss"], "lr": point["lr"]}, step=step)
 
-    # Keyed by variant and trial index (stable across `dvc repro` runs, unlike Ray's trial id), so a
-    # re-run after a crash finds the checkpoint; the params inside decide whether it is resumed.
-    checkpoint_dir = Path(context.checkpoint_root) / f"{variant}-{trial_id.rsplit('_', 1)[-1]}"
     resume_messages: list[str] = []
 
     def say(message: str) -> None:
         print(f"[{variant}] {message}", flush=True)
         resume_messages.append(message)
 
+    validation = TokenizedSplit.load(tokenized / "validation")
+    setup_before_engine = time.perf_counter() - setup_start
     result = train_model(
         model,
         train,
-        TokenizedSplit.load(tokenized / "validation"),
+        validation,
         params,
         pad_id=tokenizer.pad_token_id,
         device=device,
@@ -206,7 +228,13 @@ def train_and_save(
     if rank:
         return {}
     if logger:
-        logger.log_tags({"checkpoint": " / ".join(resume_messages)})
+        logger.log_tags(
+            {
+                "checkpoint": " / ".join(resume_messages),
+                **{f"{key}.resolved" if key != "fast_dropout" else key: value for key, value in result.notes.items()},
+            }
+        )
+    eval_start = time.perf_counter()
     evaluation = evaluate_model(
         model,
         TokenizedSplit.load(tokenized / "test"),
@@ -216,6 +244,8 @@ def train_and_save(
         device=device,
         precision=precision,
     )
+    test_eval_time = time.perf_counter() - eval_start
+    save_start = time.perf_counter()
     out = Path(context.staging_dir) / trial_id
     if params.grad_checkpointing:
         model.activation_checkpointing_disable()
@@ -224,7 +254,9 @@ def train_and_save(
     (out / LABELS_FILE).write_text(json.dumps({"names": label_names}, indent=2) + "\n", encoding="utf-8")
     (out / PARAMS_FILE).write_text(json.dumps(params.model_dump(mode="json"), indent=2, sort_keys=True) + "\n")
     (out / "history.json").write_text(json.dumps(result.history) + "\n")
-    metrics = {**result.metrics, **evaluation.metrics}
+    metrics = {**result.metrics, **evaluation.metrics, "test_eval_time_s": test_eval_time}
+    metrics["setup_time_s"] += setup_before_engine
+    metrics["save_time_s"] = time.perf_counter() - save_start
     (out / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     discard(checkpoint_dir)  # finished: a later run with the same params must train, not skip
     return metrics

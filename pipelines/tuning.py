@@ -12,15 +12,14 @@ from pipelines.errors import UserError
 from pipelines.params import ChoiceDim, GridDim, LogUniformDim, Params, SearchDim, UniformDim, ray_address
 from pipelines.tracking import (
     close_dangling_children,
-    close_runs_of_dead_processes,
     git_commit,
     log_params,
-    open_experiment,
+    open_store,
     params_hash,
     resolve_tracking_uri,
     start_run,
 )
-from pipelines.trial import FINAL_KEY, TrialContext, run_trial
+from pipelines.trial import FINAL_KEY, REPEAT_KEY, TrialContext, run_trial
 
 BEST_DIR = "best"
 TRIALS_FILE = "trials.json"
@@ -76,12 +75,33 @@ def trial_base_params(params: Params) -> Params:
     return params.model_copy(update={"tune": params.tune.model_copy(update={"variants": {}, "search_space": {}})})
 
 
+def repeat_seeds(params: Params) -> list[int]:
+    """Seeds of a variant's repeats: with `tune.num_samples` > 1 and no search space, seed, seed+1, ...
+
+    Repeats of one configuration differ only in their seed (initialisation, shuffling, dropout),
+    so their spread is the noise the report sets differences against. Without repeats: [].
+    """
+    if params.tune.num_samples < 2 or params.tune.search_space:
+        return []
+    return [params.seed + i for i in range(params.tune.num_samples)]
+
+
+def tuner_num_samples(params: Params) -> int:
+    """Samples Ray draws per grid point: repeats are a grid axis of seeds instead (see repeat_seeds)."""
+    return 1 if repeat_seeds(params) else params.tune.num_samples
+
+
 def param_space(params: Params) -> dict[str, Any]:
-    """Ray's search space: the variants as a grid axis, then every search dimension by dotted key."""
+    """Ray's search space: the variants as a grid axis, repeats' seeds as another, then every search dimension."""
     from ray import tune
 
     variant = tune.grid_search(list(params.tune.variants)) if params.tune.variants else "default"
-    return {"variant": variant, **{key: _dimension(dim) for key, dim in params.tune.search_space.items()}}
+    space: dict[str, Any] = {"variant": variant}
+    seeds = repeat_seeds(params)
+    if seeds:
+        space["seed"] = tune.grid_search(seeds)
+        space[REPEAT_KEY] = tune.sample_from(lambda spec: spec.config["seed"] - seeds[0])
+    return {**space, **{key: _dimension(dim) for key, dim in params.tune.search_space.items()}}
 
 
 def trial_resources(params: Params, cpus: int) -> dict[str, float]:
@@ -134,9 +154,7 @@ def run_tuning(
     from ray import tune
 
     tracking_uri = resolve_tracking_uri(params.tracking.uri, root)
-    client, experiment_id = open_experiment(params.tracking, root)
-    for name in close_runs_of_dead_processes(client, experiment_id):
-        print(f"closed MLflow run {name!r} as KILLED: its process died without ending it")
+    client, experiment_id = open_store(params.tracking, root)
     tags = {
         "git_commit": git_commit(root),
         "params_hash": params_hash(params),
@@ -155,7 +173,7 @@ def run_tuning(
         variants=params.tune.variants,
         tokenized_dir=str(tokenized_dir.resolve()),
         staging_dir=str(staging.resolve()),
-        checkpoint_root=str((root / "checkpoints" / params.tracking.experiment).resolve()),
+        checkpoint_root=str((root / "checkpoints").resolve()),
         tracking_uri=tracking_uri,
         experiment_id=experiment_id,
         parent_run_id=parent_run_id,
@@ -174,12 +192,14 @@ def run_tuning(
             tune_config=tune.TuneConfig(
                 metric=params.tune.metric,
                 mode=params.tune.mode,
-                num_samples=params.tune.num_samples,
+                num_samples=tuner_num_samples(params),
                 max_concurrent_trials=params.tune.max_concurrent_trials,
                 scheduler=_scheduler(params),
                 # Seeded sampling: the same params draw the same trial configurations.
                 search_alg=BasicVariantGenerator(random_state=params.seed),
                 time_budget_s=params.tune.time_budget_s,
+                # A fresh process per trial: a trial's peak RSS and allocator state are its own.
+                reuse_actors=False,
             ),
             run_config=tune.RunConfig(
                 name=f"train-{parent_run_id[:8]}",

@@ -22,7 +22,7 @@ def main() -> None:
     params = load_params()
     from pipelines.data.tokenization import load_label_names
     from pipelines.evaluation import confusion_rows, evaluate_saved_model, per_class_rows
-    from pipelines.tracking import log_evaluation, tracking_client
+    from pipelines.tracking import log_evaluation, open_store
 
     result = evaluate_saved_model(BEST_MODEL, TOKENIZED)
     atomic_write_text(PREDICTIONS, result.predictions.to_csv(index=False))
@@ -31,9 +31,8 @@ def main() -> None:
     atomic_write_json(PER_CLASS, per_class_rows(result.metrics, names))
     atomic_write_json(METRICS, result.metrics)
     best_run_id = json.loads(TRIALS.read_text())["best"]["mlflow_run_id"]
-    log_evaluation(
-        tracking_client(params.tracking, resolve_repo_root()), best_run_id, result.metrics, [METRICS, PREDICTIONS]
-    )
+    client, _ = open_store(params.tracking, resolve_repo_root())
+    log_evaluation(client, best_run_id, result.metrics, [METRICS, PREDICTIONS])
 
 
 if __name__ == "__main__":

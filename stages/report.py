@@ -16,10 +16,10 @@ OUT_DIR = Path("reports")
 def main() -> None:
     params = load_params()
     from pipelines.report import build_report
-    from pipelines.tracking import tracking_client
+    from pipelines.tracking import open_store
 
     summary = json.loads(TRIALS.read_text())
-    client = tracking_client(params.tracking, resolve_repo_root())
+    client, _ = open_store(params.tracking, resolve_repo_root())
     with atomic_dir(OUT_DIR) as tmp:
         build_report(client, summary["experiment_id"], summary["parent_run_id"], tmp)
     client.log_artifacts(summary["parent_run_id"], str(OUT_DIR), artifact_path="report")

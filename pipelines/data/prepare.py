@@ -25,18 +25,24 @@ from pipelines.params import DataParams, Params
 
 
 def length_stats(
-    lengths: np.ndarray, data: DataParams, batch_size: int, seed: int, shuffle: bool = True
+    lengths: np.ndarray,
+    data: DataParams,
+    batch_size: int,
+    seed: int,
+    shuffle: bool = True,
+    pad_multiple: int | None = None,
 ) -> dict[str, float]:
     """Length percentiles and the padding fraction of the configured batching vs fixed padding (0..1).
 
     `shuffle`: batched as training batches them (True), or as evaluation does (False, in order).
+    `pad_multiple`: the resolved `data.pad_to_multiple_of` (see resolve_pad_multiple).
     """
     sampler = LengthGroupedBatchSampler(
         lengths, batch_size, bucketing=data.bucketing, shuffle=shuffle, seed=seed, max_tokens=data.max_tokens_per_batch
     )
     batches = sampler.batches(0)
     if data.bucketing:
-        configured = padding_fraction(lengths, batches, lambda longest: padded_length(longest, data.pad_to_multiple_of))
+        configured = padding_fraction(lengths, batches, lambda longest: padded_length(longest, pad_multiple))
     else:
         configured = padding_fraction(lengths, batches, lambda _: data.max_length)
     fixed = padding_fraction(lengths, batches, lambda _: data.max_length)
@@ -52,7 +58,11 @@ def length_stats(
 
 def prepare_dataset(params: Params, root: Path, out_dir: Path) -> dict[str, Any]:
     """Write tokenized splits, the tokenizer and the label map into `out_dir`; return the stats."""
+    from pipelines.train.device import resolve_device, resolve_pad_multiple
+
     data = params.data
+    # The padding the train stage will use on this machine (auto: 8 on CUDA, none on CPU).
+    pad_multiple = resolve_pad_multiple(params, resolve_device(params))
     set_tokenizer_threads(data.num_proc)
     splits = load_splits(data, params.seed, root)
     names = label_names(splits["train"]["label"])
@@ -75,6 +85,6 @@ def prepare_dataset(params: Params, root: Path, out_dir: Path) -> dict[str, Any]
         stats[split] = {
             "rows": len(table),
             "truncated_fraction": round(truncated / len(table), 6),
-            **length_stats(lengths, data, params.batch_size, params.seed, shuffle=split == "train"),
+            **length_stats(lengths, data, params.batch_size, params.seed, split == "train", pad_multiple),
         }
     return stats

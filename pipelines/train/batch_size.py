@@ -19,7 +19,7 @@ from torch import nn
 from pipelines.errors import UserError
 from pipelines.params import Params, apply_overrides
 from pipelines.train.device import ResolvedPrecision
-from pipelines.train.engine import backward_micro_batch
+from pipelines.train.steps import backward_micro_batch
 from pipelines.train.memory import SavedActivationMeter, parameter_bytes
 
 # Share of the machine's available RAM a CPU run may plan to use for one step.

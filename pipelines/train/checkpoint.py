@@ -9,10 +9,15 @@ Files are written to a temporary name and renamed, and read with `weights_only=T
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import itertools
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,18 +39,20 @@ class LoopState:
     oom_halvings: int = 0  # times micro-batches were halved after running out of memory
     nonfinite_consecutive: int = 0  # optimizer steps in a row whose loss was NaN/inf (as of the last log point)
     nonfinite_total: int = 0
-    scaler_skips: int = 0  # fp16 steps the GradScaler skipped
+    skipped_total: int = 0  # optimizer steps not applied: their gradients held a NaN/inf (as of the last log point)
     step: int = 0  # optimizer steps taken
-    rows_seen: int = 0
-    tokens_seen: int = 0
-    data_wait_s: float = 0.0
-    elapsed_s: float = 0.0
+    rows_timed: int = 0  # rows and real tokens of the timed steps (every step but the warm-up one)
+    tokens_timed: int = 0
+    data_wait_s: float = 0.0  # waiting for batches, within the timed steps
+    clocks: dict[str, float] = field(default_factory=dict)  # seconds per region (see pipelines/train/timing.py)
     step_times: list[float] = field(default_factory=list)
     history: list[dict[str, float]] = field(default_factory=list)
     logged_loss: float = 0.0  # loss summed over windows since the last logged point
     logged_windows: int = 0
     peak_grad_bytes: int = 0
-    peak_activation_bytes: int = 0
+    memory: dict[str, float] = field(default_factory=dict)  # the memory probe's peak and breakdown
+    cuda_peak_allocated: int = 0  # CUDA allocator peaks of the training segments before the last reset
+    cuda_peak_reserved: int = 0
     val_metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -53,6 +60,42 @@ def _training_params(params: Params) -> dict[str, Any]:
     # Tracking and tune settings don't change the run's numbers; logging cadence doesn't either.
     flat = flatten_params(params)
     return {k: v for k, v in flat.items() if not k.startswith(("tracking.", "tune."))}
+
+
+def checkpoint_key(params: Params) -> str:
+    """A short hash of the params a checkpoint resumes: runs with other training params never share a folder."""
+    blob = json.dumps(_training_params(params), sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+LOCK_FILE = ".lock"
+
+
+@contextmanager
+def claim_checkpoint_dir(root: Path, params: Params) -> Iterator[Path]:
+    """This run's checkpoint folder, `root/<checkpoint_key>`, held under an exclusive lock while the block runs.
+
+    The key makes a crashed run's re-run find its checkpoint. The lock (an `flock`, released by
+    the kernel when the process dies, `kill -9` included) keeps two live runs with the same params
+    (two queued DVC experiments) apart: the second gets `<key>-1`, and so on, so no run resumes,
+    overwrites or deletes another's checkpoint.
+    """
+    key = checkpoint_key(params)
+    for attempt in itertools.count():
+        folder = root / (key if attempt == 0 else f"{key}-{attempt}")
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        try:
+            yield folder
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+        return
 
 
 def save_checkpoint(
@@ -120,5 +163,8 @@ def restore(
 
 
 def discard(folder: Path) -> None:
-    """Remove a finished run's checkpoints (a later run with the same params must train, not skip)."""
+    """Remove a finished run's checkpoints (a later run with the same params must train, not skip).
+
+    Call it only on a folder this run claimed (`claim_checkpoint_dir`): it is nobody else's.
+    """
     shutil.rmtree(folder, ignore_errors=True)

@@ -81,3 +81,26 @@ def autocast_context(precision: ResolvedPrecision, device: torch.device) -> Abst
         return nullcontext()
     dtype = torch.float16 if precision == "fp16" else torch.bfloat16
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def resolve_pad_multiple(params: Params, device: torch.device) -> int | None:
+    """`data.pad_to_multiple_of: auto` is 8 on CUDA (tensor-core tiles) and none on CPU, where rounding only pads."""
+    value = params.data.pad_to_multiple_of
+    if value == "auto":
+        return 8 if device.type == "cuda" else None
+    return value
+
+
+def resolve_tf32(params: Params, precision: ResolvedPrecision, device: torch.device) -> bool:
+    """`tf32: auto` is on for CUDA runs in bf16/fp16 and off for fp32, so the fp32 baseline is real fp32."""
+    if device.type != "cuda":
+        return False
+    if params.tf32 == "auto":
+        return precision != "fp32"
+    return bool(params.tf32)
+
+
+def apply_tf32(enabled: bool) -> None:
+    """Set TF32 for CUDA matmuls and cuDNN convolutions explicitly (cuDNN's default is on)."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled

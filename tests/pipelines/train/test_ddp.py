@@ -10,7 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator
-from pipelines.train.engine import accumulate_window, global_window_rows, plan_windows
+from pipelines.train.steps import accumulate_window, global_window_rows, plan_windows
 from tests.pipelines.train.helpers import loopback_init_method, loopback_process_group, tiny_model, tiny_split
 
 CPU = torch.device("cpu")

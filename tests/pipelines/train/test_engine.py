@@ -8,13 +8,8 @@ import pytest
 import torch
 
 from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator
-from pipelines.train.engine import (
-    accumulate_window,
-    backward_micro_batch,
-    halve_windows,
-    plan_windows,
-    train_model,
-)
+from pipelines.train.engine import train_model
+from pipelines.train.steps import accumulate_window, backward_micro_batch, halve_windows, plan_windows
 from pipelines.train.memory import SavedActivationMeter, optimizer_state_bytes, parameter_bytes
 from pipelines.train.optim import build_optimizer
 from tests.conftest import tiny_params
@@ -136,12 +131,13 @@ def test_bf16_on_cpu_runs_and_stays_close_to_fp32(default_params):
 def test_metrics_are_measured(default_params):
     result = train_tiny(default_params)
     m = result.metrics
-    assert m["optimizer_steps"] == 2 * 10
+    assert m["optimizer_steps"] == 2 * 10 and m["timed_steps"] == 2 * 10 - 1  # the warm-up step is not timed
     assert m["samples_per_s"] > 0 and m["tokens_per_s"] > m["samples_per_s"]
+    assert m["samples_per_s"] * m["train_time_s"] == pytest.approx(2 * 160 - 16)  # rows of the timed steps
     assert 0 <= m["data_wait_fraction"] < 1
     assert m["step_time_p90_ms"] >= m["step_time_p50_ms"] > 0
     assert m["optimizer_state_bytes"] == 2 * m["param_bytes"] == 2 * m["grad_bytes"]
-    assert m["peak_activation_bytes"] > 0 and m["peak_memory_bytes"] > m["param_bytes"]
+    assert m["peak_activation_bytes"] > 0 and m["peak_train_memory_bytes"] > m["param_bytes"]
     assert 0 <= m["val_accuracy"] <= 1
 
 
@@ -250,13 +246,14 @@ def test_out_of_memory_halves_micro_batches_and_keeps_the_effective_batch(defaul
     torch.manual_seed(0)
     wrapped = OutOfMemoryAbove(tiny_model(), limit=8)
     monkeypatch.setattr(
-        "pipelines.train.engine.forward_logits",
+        "pipelines.train.steps.forward_logits",
         lambda model, batch: model(batch["input_ids"], batch["attention_mask"]).logits,
     )
     messages: list[str] = []
     result = train_model(wrapped, *data, params, pad_id=0, device=CPU, precision="fp32", say=messages.append)
-    assert wrapped.raised == 2 and result.metrics["oom_halvings"] == 2  # 32 -> 16 -> 8 rows
-    assert "micro-batches halved, accumulation doubled" in messages[0]
+    # Once in the memory probe (which then steps aside), twice in training: 32 -> 16 -> 8 rows.
+    assert wrapped.raised == 3 and result.metrics["oom_halvings"] == 2
+    assert "micro-batches halved, accumulation doubled" in messages[1]
     assert result.metrics["optimizer_steps"] == reference.metrics["optimizer_steps"]  # same effective batch
     for ours, theirs in zip(result.history, reference.history, strict=True):
         assert abs(ours["loss"] - theirs["loss"]) < 1e-5
@@ -282,12 +279,12 @@ def test_nonfinite_loss_stops_the_run_with_a_clear_reason(default_params, monkey
         default_params, **{"epochs": 2, "batch_size": 16, "log_every_n_steps": 1, "max_nonfinite_steps": 3}
     )
     monkeypatch.setattr(
-        "pipelines.train.engine.forward_logits", lambda model, batch: model(batch["input_ids"], batch["attention_mask"])
+        "pipelines.train.steps.forward_logits", lambda model, batch: model(batch["input_ids"], batch["attention_mask"])
     )
     logged = []
     with pytest.raises(NonFiniteLoss, match="not finite for 3 optimizer steps in a row .* up to step 7"):
         train_model(
-            NaNAfter(tiny_model(), calls=4),
+            NaNAfter(tiny_model(), calls=2 + 4),  # the memory probe's two forward passes, then four good steps
             tiny_split(rows=160, seed=3),
             None,
             params,

@@ -89,8 +89,8 @@ def test_model_is_put_back_after_the_block_even_on_error():
     attention[1, 8:] = 0
     before = model(input_ids=ids, attention_mask=attention).logits
     dropouts = sum(type(m) is nn.Dropout for m in model.modules())
-    with pytest.raises(RuntimeError), fast_dropout(model) as swapped:
-        assert swapped == dropouts + 1  # every nn.Dropout, plus the attention function
+    with pytest.raises(RuntimeError), fast_dropout(model, {"input_ids": ids, "attention_mask": attention}) as swapped:
+        assert swapped.layers == dropouts and swapped.attention  # every nn.Dropout, plus the attention function
         assert model.config._attn_implementation == ATTENTION_NAME
         assert not any(type(m) is nn.Dropout for m in model.modules())
         # Eval: no dropout anywhere, so exactly the SDPA model's output.
@@ -105,7 +105,8 @@ def test_training_drops_out_in_attention_and_hidden_layers():
     model = tiny_model(dropout=0.2)
     ids = torch.randint(5, 100, (4, 16))
     attention = torch.ones(4, 16, dtype=torch.long)
-    with fast_dropout(model):
+    with fast_dropout(model, {"input_ids": ids[:, :12], "attention_mask": attention[:, :12]}) as use:
+        assert use.attention
         model.train()
         torch.manual_seed(0)
         a = model(input_ids=ids, attention_mask=attention).logits

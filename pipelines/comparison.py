@@ -1,0 +1,207 @@
+"""The comparison table: one row per variant, relative to the baseline, with the noise shown.
+
+MLflow is the one source of truth: every number is a stored metric, printed with
+`format_metric`. A variant repeated over seeds (`tune.num_samples` > 1) is one row of
+mean ± sd. Differences to the baseline are marked `*` where they exceed the noise
+(`pipelines.noise`) and say "within noise" where they do not; memory figures are exact byte
+counts, so their noise is zero; a single run's time has no noise estimate, which the legend says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from mlflow.tracking import MlflowClient
+
+from pipelines.noise import binomial_se, exceeds_noise, mean_sd, repeats_se
+from pipelines.tracking import child_runs
+
+BASELINE_VARIANT = "vanilla"
+MB = 1024 * 1024
+
+# How a column's noise is known: seeds' spread only ("repeats"), exact counts ("exact"), or a binomial proportion.
+Noise = Literal["repeats", "exact", "binomial", "none"]
+
+
+@dataclass(frozen=True)
+class Column:
+    """A table column: its header, the MLflow metric behind it, its unit, scale, and how its noise is known."""
+
+    header: str
+    metric: str
+    unit: str = ""
+    scale: float = 1.0
+    digits: int = 1
+    relative: bool = False  # also print as % of the baseline
+    noise: Noise = "none"
+    interval: bool = False  # the metric has `<metric>_ci_low` / `_ci_high` (a 95% interval)
+
+
+COLUMNS = (
+    Column("Train time", "train_time_s", " s", relative=True, noise="repeats"),
+    Column("Wall time", "wall_time_s", " s"),
+    Column("Samples/s", "samples_per_s", digits=0),
+    Column("Tokens/s", "tokens_per_s", digits=0),
+    Column("Peak train memory", "peak_train_memory_bytes", " MB", scale=1 / MB, relative=True, noise="exact"),
+    Column("Optimizer state", "optimizer_state_bytes", " MB", scale=1 / MB, digits=2, relative=True, noise="exact"),
+    Column("Activations", "peak_activation_bytes", " MB", scale=1 / MB, digits=2, relative=True, noise="exact"),
+    Column("Peak RSS", "peak_rss_bytes", " MB", scale=1 / MB, digits=0),
+    Column("Accuracy", "test_accuracy", "", scale=100, digits=2, noise="binomial", interval=True),
+    Column("Macro-F1", "test_macro_f1", "", scale=100, digits=2, interval=True),
+)
+DELTA_HEADER = "Δ accuracy vs baseline"
+
+
+def format_metric(value: float, column: Column) -> str:
+    """The one rounding rule of the report: scale, then round to the column's digits."""
+    return f"{value * column.scale:,.{column.digits}f}{column.unit}"
+
+
+def format_relative(value: float, baseline: float) -> str:
+    """`value` as a whole percentage of `baseline`."""
+    return f"{round(100 * value / baseline)}%" if baseline else "n/a"
+
+
+@dataclass
+class TrialRow:
+    """One trial's name and metrics as stored in MLflow."""
+
+    name: str
+    run_id: str
+    status: str
+    metrics: dict[str, float]
+    tags: dict[str, str]
+
+
+@dataclass
+class VariantGroup:
+    """A variant's finished runs (several when it was repeated over seeds)."""
+
+    name: str
+    rows: list[TrialRow]
+
+    def values(self, metric: str) -> list[float]:
+        return [r.metrics[metric] for r in self.rows if metric in r.metrics]
+
+    def mean(self, metric: str) -> float | None:
+        values = self.values(metric)
+        return mean_sd(values)[0] if values else None
+
+
+def load_rows(client: MlflowClient, experiment_id: str, parent_run_id: str) -> list[TrialRow]:
+    """The child runs of the parent run, baseline first, then in start order."""
+    rows = [
+        TrialRow(
+            name=run.data.tags.get("variant", run.info.run_name),
+            run_id=run.info.run_id,
+            status=run.info.status,
+            metrics=dict(run.data.metrics),
+            tags=dict(run.data.tags),
+        )
+        for run in child_runs(client, experiment_id, parent_run_id)
+    ]
+    rows.sort(key=lambda r: r.name != BASELINE_VARIANT)  # stable: keeps start order otherwise
+    return rows
+
+
+def group_rows(rows: list[TrialRow]) -> list[VariantGroup]:
+    """Finished runs grouped by variant, in first-seen order (the baseline first)."""
+    groups: dict[str, VariantGroup] = {}
+    for row in rows:
+        if row.status == "FINISHED":
+            groups.setdefault(row.name, VariantGroup(row.name, [])).rows.append(row)
+    return list(groups.values())
+
+
+def difference_se(column: Column, group: VariantGroup, baseline: VariantGroup) -> float | None:
+    """Standard error of (group - baseline) for `column`, or None when the noise is unknown."""
+    a, b = group.values(column.metric), baseline.values(column.metric)
+    from_repeats = repeats_se(a, b)
+    if from_repeats is not None:
+        return from_repeats
+    if column.noise == "exact":
+        return 0.0
+    if column.noise == "binomial" and a and b:
+        n_a = group.rows[0].metrics.get("test_rows", 0.0)
+        n_b = baseline.rows[0].metrics.get("test_rows", 0.0)
+        return (binomial_se(a[0], n_a) ** 2 + binomial_se(b[0], n_b) ** 2) ** 0.5
+    return None
+
+
+def noise_mark(column: Column, group: VariantGroup, baseline: VariantGroup) -> str:
+    """'*' when the difference to the baseline exceeds the noise, ', within noise' when not, '' when unknown."""
+    se = difference_se(column, group, baseline)
+    mine, theirs = group.mean(column.metric), baseline.mean(column.metric)
+    if se is None or mine is None or theirs is None:
+        return ""
+    return "*" if exceeds_noise(mine - theirs, se) else ", within noise"
+
+
+def _value_cell(column: Column, group: VariantGroup) -> str:
+    values = group.values(column.metric)
+    if len(values) > 1:
+        mean, sd = mean_sd(values)
+        return f"{format_metric(mean, column)} ± {sd * column.scale:,.{column.digits}f} (n={len(values)})"
+    cell = format_metric(values[0], column)
+    metrics = group.rows[0].metrics
+    low, high = metrics.get(f"{column.metric}_ci_low"), metrics.get(f"{column.metric}_ci_high")
+    if column.interval and low is not None and high is not None:
+        cell += f" [{low * column.scale:.{column.digits - 1}f}, {high * column.scale:.{column.digits - 1}f}]"
+    return cell
+
+
+def comparison_table(rows: list[TrialRow]) -> list[list[str]]:
+    """Header plus one row per variant; relative columns also show % of the baseline (first group)."""
+    groups = group_rows(rows)
+    header = ["Trial"] + [c.header for c in COLUMNS] + [DELTA_HEADER]
+    table = [header]
+    baseline = groups[0] if groups else None
+    for group in groups:
+        cells = [group.name]
+        for column in COLUMNS:
+            if not group.values(column.metric):
+                cells.append("–")
+                continue
+            cell = _value_cell(column, group)
+            base = baseline.mean(column.metric) if baseline else None
+            if column.relative and base is not None:
+                mark = noise_mark(column, group, baseline) if group is not baseline else ""  # type: ignore[arg-type]
+                cell += f" ({format_relative(group.mean(column.metric) or 0.0, base)}{mark})"
+            cells.append(cell)
+        cells.append(_delta_cell(group, baseline))
+        table.append(cells)
+    return table
+
+
+def _delta_cell(group: VariantGroup, baseline: VariantGroup | None) -> str:
+    accuracy = next(c for c in COLUMNS if c.metric == "test_accuracy")
+    mine = group.mean(accuracy.metric)
+    theirs = baseline.mean(accuracy.metric) if baseline else None
+    if baseline is None or group is baseline or mine is None or theirs is None:
+        return "–"
+    return f"{100 * (mine - theirs):+.2f}{noise_mark(accuracy, group, baseline)}"
+
+
+LEGEND = (
+    "Train time is the optimizer steps only, after the first (warm-up) step, timed alike for every trial; "
+    "wall time is the whole trial (setup, warm-up, validation, checkpoints, test evaluation, saving). "
+    "Peak train memory is what training allocates: on CUDA the allocator's peak over the training steps, on CPU "
+    "the peak of torch's allocations in a training step (PyTorch's MemTracker; activations recomputed under "
+    "checkpointing included); peak RSS (the whole process, libraries included) is secondary. "
+    "Accuracy and macro-F1 carry 95% intervals over the test rows (Wilson; bootstrap). "
+    "Repeated variants show mean ± sd over seeds. `*`: the difference to the baseline exceeds the noise "
+    "(1.96 standard errors: of the seeds' spread when repeated, of the test rows for accuracy, zero for exact byte "
+    "counts); 'within noise': it does not."
+)
+
+
+def unknown_noise_note(rows: list[TrialRow]) -> str | None:
+    """Say so when time differences carry no noise estimate (variants not repeated)."""
+    groups = group_rows(rows)
+    if len(groups) > 1 and any(len(g.rows) < 2 for g in groups):
+        return (
+            "Train time: one run per variant, so its noise is unknown and differences are not marked; "
+            "set tune.num_samples to 2 or more to repeat each variant over seeds."
+        )
+    return None

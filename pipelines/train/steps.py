@@ -1,0 +1,197 @@
+"""The three parts of an optimizer step, and how an epoch's batches become steps.
+
+Forward under autocast with the loss scaled to its share of the accumulation window;
+backward through the GradScaler; then unscale, clip, step, update, and zero with
+`set_to_none=True` (nanoGPT's shape). The window's loss is a mean over its *rows*, so k
+accumulated micro-batches give the same gradient as one batch of all their rows, also for
+the last, partial window and for bucketed batches of unequal size.
+
+The GradScaler runs in every precision. In fp16 it scales the loss dynamically; in fp32 and
+bf16 its scale is held at exactly 1.0 (a multiply by one), so what remains is its non-finite
+check: a window whose gradients hold a NaN or an inf is not applied, and weights and optimizer
+state stay finite. The check costs no extra host sync: fused AdamW reads the device-side
+`found_inf` flag in its kernel, and other optimizers pay the one `.item()` per step that fp16's
+scaler already pays.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator
+from pipelines.data.tokenization import TokenizedSplit
+from pipelines.params import Params
+from pipelines.train.device import ResolvedPrecision, autocast_context
+
+FP16_INITIAL_SCALE = 2.0**16
+
+
+def make_scaler(precision: ResolvedPrecision, device: torch.device) -> torch.amp.GradScaler:
+    """A GradScaler for every precision: dynamic loss scaling in fp16, a fixed scale of 1.0 otherwise."""
+    return torch.amp.GradScaler(device.type, init_scale=FP16_INITIAL_SCALE if precision == "fp16" else 1.0)
+
+
+def make_loader(
+    split: TokenizedSplit,
+    batches: list[list[int]],
+    params: Params,
+    pad_id: int,
+    device: torch.device,
+    pad_to_multiple_of: int | None,
+) -> DataLoader:
+    """A DataLoader over precomputed batches; pads dynamically, or to max_length without bucketing."""
+    collator = PadCollator(
+        split,
+        pad_id,
+        fixed_length=None if params.data.bucketing else params.data.max_length,
+        pad_to_multiple_of=pad_to_multiple_of,
+    )
+    workers = params.num_workers
+    return DataLoader(
+        collator,
+        batch_sampler=batches,
+        collate_fn=collator,
+        num_workers=workers,
+        pin_memory=params.pin_memory and device.type == "cuda",
+        persistent_workers=params.persistent_workers and workers > 0,
+        prefetch_factor=params.prefetch_factor if workers else None,
+        # Its own generator: iterating a DataLoader draws a seed, which would otherwise come from
+        # torch's global RNG and shift every later dropout mask (breaking exact resume).
+        generator=torch.Generator().manual_seed(params.seed),
+    )
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    # non_blocking overlaps the copy with compute when the host batch is pinned.
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def forward_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Logits of a batch already on the model's device."""
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+
+def backward_micro_batch(
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    rows_in_window: float,
+    precision: ResolvedPrecision,
+    device: torch.device,
+    scaler: torch.amp.GradScaler,
+) -> torch.Tensor:
+    """Forward under autocast, then backward of this batch's share of the window's mean loss.
+
+    The loss is summed over the batch's rows and divided by the rows of the whole
+    accumulation window, so every row weighs the same whichever micro-batch it is in:
+    k accumulated micro-batches give the gradient of one batch of all their rows.
+    Returns the (detached) contribution to the window's loss.
+    """
+    with autocast_context(precision, device):
+        logits = forward_logits(model, batch)
+    # Cross-entropy in fp32 even under autocast: a bf16 log-softmax loses the small differences.
+    loss = F.cross_entropy(logits.float(), batch["labels"], reduction="sum") / rows_in_window
+    scaler.scale(loss).backward()
+    return loss.detach()
+
+
+def plan_windows(batches: list[list[int]], accum: int, halvings: int = 0) -> list[list[list[int]]]:
+    """Group an epoch's batches into accumulation windows (the last may be partial).
+
+    Each batch is halved `halvings` times (after out-of-memory): same windows, smaller micro-batches.
+    """
+    windows = [batches[i : i + accum] for i in range(0, len(batches), accum)]
+    for _ in range(halvings):
+        windows = halve_windows(windows, 0)
+    return windows
+
+
+def halve_windows(windows: list[list[list[int]]], start: int) -> list[list[list[int]]]:
+    """Split every batch of windows[start:] in two: the same rows per window, half per micro-batch."""
+    halved = [
+        [part for batch in window for part in (batch[: len(batch) // 2], batch[len(batch) // 2 :]) if part]
+        for window in windows[start:]
+    ]
+    return windows[:start] + halved
+
+
+def global_window_rows(sampler: LengthGroupedBatchSampler, epoch: int, accum: int) -> list[int]:
+    """Rows of each optimizer step's global window: every rank's window s together.
+
+    Computed from the sampler's global batch plan, which every rank knows, so no communication.
+    """
+    all_batches = sampler.global_batches(epoch)
+    per_rank = [plan_windows(all_batches[r :: sampler.num_replicas], accum) for r in range(sampler.num_replicas)]
+    return [sum(len(b) for windows in per_rank for b in windows[s]) for s in range(len(per_rank[0]))]
+
+
+def accumulate_window(
+    model: nn.Module,
+    loader: Iterator[dict[str, torch.Tensor]],
+    window: list[list[int]],
+    precision: ResolvedPrecision,
+    device: torch.device,
+    scaler: torch.amp.GradScaler,
+    meter: object | None,
+    rows_in_window: float | None = None,
+) -> tuple[torch.Tensor, tuple[int, int, float]]:
+    """Forward and backward every micro-batch of one window; return its loss and (rows, real tokens, data wait s).
+
+    The loss is divided by `rows_in_window` (default: this window's rows). Under data parallelism
+    the caller passes the rows of the *global* window divided by the rank count, so that DDP's
+    gradient average over ranks gives the mean over every row of the global batch. `meter`, when
+    given, has a `measure()` context entered around each micro-batch (memory measurement).
+    """
+    if rows_in_window is None:
+        rows_in_window = sum(len(batch) for batch in window)
+    total = torch.zeros((), device=device)
+    rows = tokens = 0
+    wait = 0.0
+    for index in range(len(window)):
+        fetch = time.perf_counter()
+        batch = next(loader)
+        wait += time.perf_counter() - fetch
+        rows += len(batch["labels"])
+        tokens += int(batch["num_tokens"])  # counted on the host copy: no device sync
+        batch = to_device(batch, device)
+        # Under DDP, gradients are all-reduced once per window, on its last micro-batch only.
+        last = index == len(window) - 1
+        no_sync = model.no_sync() if isinstance(model, DistributedDataParallel) and not last else nullcontext()
+        with no_sync, meter.measure() if meter is not None else nullcontext():  # type: ignore[attr-defined]
+            total += backward_micro_batch(model, batch, rows_in_window, precision, device, scaler)
+    return total, (rows, tokens, wait)
+
+
+def found_nonfinite(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    """1 if the unscaled gradients hold a NaN/inf, else 0, as a device tensor (no host sync).
+
+    GradScaler keeps the flag per device after `unscale_`; it has no public accessor for it.
+    """
+    flags = list(scaler._found_inf_per_device(optimizer).values())
+    return torch.stack([f.reshape(()) for f in flags]).sum().clamp(max=1) if flags else torch.zeros(())
+
+
+def optimizer_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    max_grad_norm: float | None,
+    precision: ResolvedPrecision,
+) -> torch.Tensor:
+    """Unscale, clip, step (skipped on non-finite gradients), update, zero. Returns the device-side skip flag."""
+    scaler.unscale_(optimizer)
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    skipped = found_nonfinite(scaler, optimizer)
+    scaler.step(optimizer)
+    # fp16: grow or back off the scale; otherwise hold it at exactly 1.0 (fill_, no sync).
+    scaler.update(None if precision == "fp16" else 1.0)
+    optimizer.zero_grad(set_to_none=True)
+    return skipped

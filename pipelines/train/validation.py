@@ -1,0 +1,60 @@
+"""Scoring a split during and after training: bucketed, in inference mode, rows back in their order."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipelines.data.batching import LengthGroupedBatchSampler
+from pipelines.data.tokenization import TokenizedSplit
+from pipelines.params import Params
+from pipelines.train.device import ResolvedPrecision, autocast_context, resolve_pad_multiple
+from pipelines.train.steps import forward_logits, make_loader, to_device
+
+
+def eval_batch_rows(params: Params) -> int:
+    """Rows per evaluation batch: twice the rows of an optimizer step.
+
+    Tied to the effective batch, not the micro-batch, so strategies that differ only in how a
+    step is split (accumulation, batch_size: auto) validate in the same batches.
+    """
+    assert isinstance(params.batch_size, int)
+    return 2 * params.batch_size * params.grad_accum_steps
+
+
+@torch.inference_mode()
+def evaluate_split(
+    model: nn.Module,
+    split: TokenizedSplit,
+    params: Params,
+    pad_id: int,
+    device: torch.device,
+    precision: ResolvedPrecision,
+) -> tuple[np.ndarray, float]:
+    """Return (logits in the split's row order, mean loss), using length-bucketed batches."""
+    was_training = model.training
+    model.eval()
+    sampler = LengthGroupedBatchSampler(split.lengths, eval_batch_rows(params), bucketing=True, shuffle=False)
+    loader = make_loader(
+        split,
+        sampler.batches(0),
+        params.model_copy(update={"num_workers": 0, "persistent_workers": False}),
+        pad_id,
+        device,
+        resolve_pad_multiple(params, device),
+    )
+    logits = np.zeros((len(split), 0), dtype=np.float32)
+    total_loss = torch.zeros((), device=device)
+    for batch in loader:
+        batch = to_device(batch, device)
+        with autocast_context(precision, device):
+            out = forward_logits(model, batch).float()
+        total_loss += F.cross_entropy(out, batch["labels"], reduction="sum")
+        if logits.shape[1] == 0:
+            logits = np.zeros((len(split), out.shape[1]), dtype=np.float32)
+        # Scatter back by row index: bucketing reorders rows, predictions must not move.
+        logits[batch["row_index"].cpu().numpy()] = out.cpu().numpy()
+    model.train(was_training)
+    return logits, float(total_loss) / len(split)
