@@ -270,7 +270,8 @@ class TuneParams(StrictModel):
     """How the train stage runs its Ray Tune trials."""
 
     num_samples: PositiveInt = Field(
-        description="Samples drawn from search_space per variant (without one: repeats of one configuration)."
+        description="Samples drawn from search_space per variant; without a search space, repeats of each variant "
+        "with seeds seed, seed+1, ... (the report then shows mean ± sd and marks differences beyond the noise)."
     )
     variants: dict[str, dict[str, Any]] = Field(
         description="Named override sets by dotted key, run as a grid, e.g. {vanilla: {}, bf16: {precision: bf16}}.",
@@ -338,11 +339,13 @@ class Params(StrictModel):
     )
     fast_dropout: bool = Field(
         description="On CPU (without compile): dropout masks from 16-bit lanes of 64-bit draws, about 3x faster "
-        "than torch's bernoulli; no effect on CUDA."
+        "than torch's bernoulli; the attention's dropout only where the fast attention reproduces the model's own "
+        "(not causal, no sliding window or soft-capping; checked at p=0), else the run's tags say why; no effect on CUDA."
     )
     log_every_n_steps: PositiveInt = Field(description="Optimizer steps between logged loss/lr points.")
     max_nonfinite_steps: PositiveInt = Field(
-        description="Stop the run when the loss is NaN/inf this many optimizer steps in a row (checked when logging)."
+        description="Stop the run when the loss is NaN/inf this many optimizer steps in a row (checked when logging); "
+        "such steps are skipped in every precision, never applied."
     )
     checkpoint_every_n_steps: PositiveInt | None = Field(
         description="Optimizer steps between checkpoints (one is also written at every epoch's end); null: epochs only."

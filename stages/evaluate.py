@@ -24,6 +24,8 @@ def main() -> None:
     from pipelines.evaluation import confusion_rows, evaluate_saved_model, per_class_rows
     from pipelines.tracking import log_evaluation, open_store
 
+    # The store first: it closes runs whose process died (kill -9) even if evaluation fails below.
+    client, _ = open_store(params.tracking, resolve_repo_root())
     result = evaluate_saved_model(BEST_MODEL, TOKENIZED)
     atomic_write_text(PREDICTIONS, result.predictions.to_csv(index=False))
     names = load_label_names(BEST_MODEL)
@@ -31,7 +33,6 @@ def main() -> None:
     atomic_write_json(PER_CLASS, per_class_rows(result.metrics, names))
     atomic_write_json(METRICS, result.metrics)
     best_run_id = json.loads(TRIALS.read_text())["best"]["mlflow_run_id"]
-    client, _ = open_store(params.tracking, resolve_repo_root())
     log_evaluation(client, best_run_id, result.metrics, [METRICS, PREDICTIONS])
 
 

@@ -9,7 +9,7 @@ import yaml
 
 from pipelines.params import ParamsError, apply_overrides, flatten_params, load_params, parse_params
 from pipelines.params_doc import BEGIN, END, reference_markdown
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, tiny_params
 
 
 def raw_defaults() -> dict:
@@ -158,3 +158,47 @@ def test_distributed_settings_cannot_vary_per_trial():
     raw["tune"]["variants"] = {"two": {"distributed.num_workers": 2}}
     message = error_of(raw)
     assert "tune.variants.two" in message and "distributed.num_workers" in message and "shared" in message
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "read"),
+    [
+        ("data.max_length", 32, "data.max_length"),
+        ("data.source", "other.csv", "data.source"),
+        ("model.name_or_path", "./folder", "model.name_or_path"),
+        ("model.config.vocab_size", 500, "model.config.vocab_size"),
+        ("data.generator.num_rows", 200, "data.generator"),
+        ("seed", 7, "seed"),
+        ("model", {"name_or_path": None}, "model.name_or_path"),
+    ],
+)
+def test_variants_and_search_space_cannot_change_what_tokenize_read(key, value, read):
+    raw = raw_defaults()
+    raw["tune"]["variants"] = {"short": {key: value}}
+    message = error_of(raw)
+    assert "tune.variants.short" in message and f"key {key!r}" in message and "dvc exp run -S" in message
+    assert f"changes {read!r}" in message
+    raw = raw_defaults()
+    raw["tune"]["search_space"] = {key: {"type": "choice", "values": [value]}}
+    assert "tune.search_space" in error_of(raw) and "tokenize stage" in error_of(raw)
+
+
+def test_training_only_data_keys_may_vary_per_variant():
+    raw = raw_defaults()
+    raw["tune"]["variants"] = {"fixed": {"data.bucketing": False, "data.pad_to_multiple_of": None}}
+    parse_params(raw)  # batching is read by training: allowed
+
+
+def test_tf32_and_padding_resolve_per_device(default_params):
+    import torch
+
+    from pipelines.train.device import resolve_pad_multiple, resolve_tf32
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert default_params.tf32 == "auto" and default_params.data.pad_to_multiple_of == "auto"
+    assert resolve_tf32(default_params, "fp32", cuda) is False  # the fp32 baseline is real fp32
+    assert resolve_tf32(default_params, "bf16", cuda) is True and resolve_tf32(default_params, "fp16", cuda) is True
+    assert resolve_tf32(default_params, "bf16", cpu) is False
+    assert resolve_tf32(tiny_params(default_params, tf32=True), "fp32", cuda) is True
+    assert resolve_pad_multiple(default_params, cuda) == 8 and resolve_pad_multiple(default_params, cpu) is None
+    assert resolve_pad_multiple(tiny_params(default_params, **{"data.pad_to_multiple_of": 16}), cpu) == 16

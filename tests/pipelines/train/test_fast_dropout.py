@@ -136,3 +136,94 @@ def test_training_with_fast_dropout_learns_like_torch_dropout(default_params):
         assert model.config._attn_implementation == "sdpa"
         assert not any(isinstance(m, FastDropout) for m in model.modules())
     assert accuracy[True] > 0.9 and abs(accuracy[True] - accuracy[False]) < 0.1, accuracy
+
+
+def padded_inputs(vocab: int = 100) -> dict[str, torch.Tensor]:
+    ids = torch.randint(5, vocab, (3, 12), generator=torch.Generator().manual_seed(0))
+    attention = torch.ones(3, 12, dtype=torch.long)
+    attention[1, 8:] = 0
+    attention[2, 4:] = 0
+    return {"input_ids": ids, "attention_mask": attention}
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_fast_attention_reproduces_sdpa_at_p0_for_bert_masks(bf16):
+    from pipelines.train.fast_dropout import attention_mismatch
+
+    model = tiny_model(dropout=0.1)
+    inputs = padded_inputs()
+    assert attention_mismatch(model, inputs, bf16=bf16) is None  # fp32 within 1e-6; bf16: same dtype, rounding
+    with fast_dropout(model, inputs, bf16=bf16) as use:
+        assert use.attention and model.config._attn_implementation == ATTENTION_NAME
+
+
+def test_math_attention_computes_reduced_precision_in_fp32_like_sdpa():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 2, 4, 7, 8, dtype=torch.bfloat16).unbind(0)
+    out = math_attention(q, k, v, None, 0.0, None)
+    # SDPA's math path on CPU upcasts bf16 to fp32 and rounds once at the end: so do we.
+    reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float()).transpose(1, 2).to(torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, reference)
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_dropout=0.1,
+        num_labels=3,
+        pad_token_id=0,
+    )
+    return LlamaForSequenceClassification(config)
+
+
+def test_causal_decoder_keeps_its_own_attention_and_says_why():
+    model = tiny_llama()
+    inputs = padded_inputs()
+    model.eval()
+    before = model(**inputs).logits
+    with fast_dropout(model, inputs) as use:
+        assert not use.attention and "causal" in use.reason
+        assert model.config._attn_implementation == "sdpa"
+        assert torch.equal(model(**inputs).logits, before)
+    assert "stock attention (causal attention" in use.describe()
+
+
+def test_the_fast_attention_function_never_drops_a_causal_mask():
+    from pipelines.train.fast_dropout import _FORCE_MATH, _attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 1, 2, 6, 8).unbind(0)
+    causal_module = nn.Module()
+    causal_module.is_causal = True
+    token = _FORCE_MATH.set(True)  # as in the equality check: the fast path wherever it applies
+    try:
+        out, _ = _attention(causal_module, q, k, v, None, dropout=0.0, scaling=None)
+    finally:
+        _FORCE_MATH.reset(token)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    torch.testing.assert_close(out, expected)  # delegated to SDPA with its causal mask, not the math path
+    leaky = math_attention(q, k, v, None, 0.0, None)
+    assert not torch.allclose(leaky, expected)  # what the math path alone would have done
+
+
+def test_training_tags_say_whether_the_attention_was_swapped(default_params):
+    params = tiny_params(default_params, **{"epochs": 1, "batch_size": 16})
+    result = train_model(
+        tiny_model(dropout=0.1),
+        tiny_split(rows=64, seed=3),
+        None,
+        params,
+        pad_id=0,
+        device=CPU,
+        precision="fp32",
+        say=lambda _: None,
+    )
+    assert result.notes["fast_dropout"].endswith("fast attention dropout")
