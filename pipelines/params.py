@@ -250,8 +250,8 @@ def _refuse_tokenize_keys(where: str, keys: list[str]) -> None:
         read = tokenize_stage_key(key)
         if read is not None:
             raise ValueError(
-                f"{where}: key {key!r} changes {read!r}, which the tokenize stage reads: the data is tokenized once for "
-                f"every trial, so a trial cannot change it; run it as its own experiment: dvc exp run -S {read}=..."
+                f"{where}: key {key!r} changes {read!r}, which the tokenize stage reads: the data is tokenized once "
+                f"for every trial, so a trial cannot change it; run it as its own experiment: dvc exp run -S {read}=..."
                 + (" (repeats with other seeds: tune.num_samples)" if read == "seed" else "")
             )
 
@@ -340,7 +340,8 @@ class Params(StrictModel):
     fast_dropout: bool = Field(
         description="On CPU (without compile): dropout masks from 16-bit lanes of 64-bit draws, about 3x faster "
         "than torch's bernoulli; the attention's dropout only where the fast attention reproduces the model's own "
-        "(not causal, no sliding window or soft-capping; checked at p=0), else the run's tags say why; no effect on CUDA."
+        "(not causal, no sliding window or soft-capping; checked at p=0), else the run's tags say why; "
+        "no effect on CUDA."
     )
     log_every_n_steps: PositiveInt = Field(description="Optimizer steps between logged loss/lr points.")
     max_nonfinite_steps: PositiveInt = Field(

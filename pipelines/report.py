@@ -34,6 +34,7 @@ from pipelines.comparison import (  # noqa: E402
 
 __all__ = ["COLUMNS", "build_report", "comparison_table", "format_metric", "format_relative", "load_rows"]
 
+
 def markdown_table(table: list[list[str]]) -> str:
     """Render a header-first table as GitHub markdown."""
     lines = ["| " + " | ".join(table[0]) + " |", "|" + "---|" * len(table[0])]

@@ -332,9 +332,7 @@ def child_runs(client: MlflowClient, experiment_id: str, parent_run_id: str) -> 
     )
 
 
-def open_store(
-    tracking: TrackingParams, root: Path, say: Callable[[str], None] = print
-) -> tuple[MlflowClient, str]:
+def open_store(tracking: TrackingParams, root: Path, say: Callable[[str], None] = print) -> tuple[MlflowClient, str]:
     """Open the configured store and experiment, and first end as KILLED the runs whose process died.
 
     Every stage that opens the store calls this, so after a `kill -9` no run stays RUNNING past

@@ -97,7 +97,7 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
         client,
         context.experiment_id,
         f"{variant}-{trial_id}",
-        {"variant": variant, "trial_id": trial_id, **({REPEAT_KEY: str(config[REPEAT_KEY])} if REPEAT_KEY in config else {})},
+        {"variant": variant, "trial_id": trial_id, **{k: str(config[k]) for k in (REPEAT_KEY,) if k in config}},
         context.parent_run_id,
     )
     logger = RunLogger(client, run_id, fallback_dir=context.fallback_dir)

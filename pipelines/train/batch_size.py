@@ -19,8 +19,8 @@ from torch import nn
 from pipelines.errors import UserError
 from pipelines.params import Params, apply_overrides
 from pipelines.train.device import ResolvedPrecision
-from pipelines.train.steps import backward_micro_batch
 from pipelines.train.memory import SavedActivationMeter, parameter_bytes
+from pipelines.train.steps import backward_micro_batch
 
 # Share of the machine's available RAM a CPU run may plan to use for one step.
 CPU_MEMORY_SHARE = 0.5

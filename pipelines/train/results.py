@@ -69,8 +69,14 @@ def final_metrics(
 
 
 # Under DDP: rows and tokens add up over ranks; times and memory peaks take the slowest/largest rank.
-_MAXED = (*CLOCKS, "compile_time_s", "data_wait_fraction", "peak_rss_bytes", "peak_train_memory_bytes",
-          "peak_reserved_bytes")
+_MAXED = (
+    *CLOCKS,
+    "compile_time_s",
+    "data_wait_fraction",
+    "peak_rss_bytes",
+    "peak_train_memory_bytes",
+    "peak_reserved_bytes",
+)
 
 
 def reduce_final_metrics(metrics: dict[str, float], device: torch.device) -> dict[str, float]:

@@ -78,9 +78,9 @@ class StepClock:
             return
         if self.device.type == "cuda":
             self._marks[-1].synchronize()  # type: ignore[attr-defined]
-            laps = [a.elapsed_time(b) / 1000 for a, b in zip(self._marks, self._marks[1:])]  # type: ignore[attr-defined]
+            laps = [a.elapsed_time(b) / 1000 for a, b in zip(self._marks, self._marks[1:], strict=False)]  # type: ignore[attr-defined]
         else:
-            laps = [b - a for a, b in zip(self._marks, self._marks[1:])]  # type: ignore[operator]
+            laps = [b - a for a, b in zip(self._marks, self._marks[1:], strict=False)]  # type: ignore[operator]
         self.step_times.extend(laps)
         self._marks = self._marks[-1:]
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import matplotlib.image as mpimg
 
-from pipelines.params import TrackingParams
 from pipelines.comparison import DELTA_HEADER
+from pipelines.params import TrackingParams
 from pipelines.report import COLUMNS, build_report, comparison_table, format_metric, format_relative, load_rows
 from pipelines.tracking import RunLogger, open_experiment, start_run
 

@@ -9,9 +9,9 @@ import torch
 
 from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator
 from pipelines.train.engine import train_model
-from pipelines.train.steps import accumulate_window, backward_micro_batch, halve_windows, plan_windows
 from pipelines.train.memory import SavedActivationMeter, optimizer_state_bytes, parameter_bytes
 from pipelines.train.optim import build_optimizer
+from pipelines.train.steps import accumulate_window, backward_micro_batch, halve_windows, plan_windows
 from tests.conftest import tiny_params
 from tests.pipelines.train.helpers import loopback_init_method, loopback_process_group, tiny_model, tiny_split
 
