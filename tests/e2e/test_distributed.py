@@ -53,7 +53,7 @@ def test_two_workers_match_one_worker_with_the_same_global_batch_and_log_one_run
     assert trial.info.status == "FINISHED", trial.data.tags.get("error")
     assert trial.data.metrics["world_size"] == 2
     assert trial.data.params["distributed.num_workers"] == "2"
-    for name in ("train_time_s", "samples_per_s", "test_accuracy", "val_accuracy", "peak_memory_bytes"):
+    for name in ("train_time_s", "samples_per_s", "test_accuracy", "val_accuracy", "peak_train_memory_bytes"):
         assert name in trial.data.metrics, name
     two = loss_curve(client, trial.info.run_id)
     trials = json.loads((root / "models" / "trials.json").read_text())

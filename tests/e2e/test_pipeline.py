@@ -16,7 +16,14 @@ from tests.conftest import run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
-FINAL_METRICS = ("train_time_s", "samples_per_s", "tokens_per_s", "peak_memory_bytes", "test_accuracy", "test_macro_f1")
+FINAL_METRICS = (
+    "train_time_s",
+    "samples_per_s",
+    "tokens_per_s",
+    "peak_train_memory_bytes",
+    "test_accuracy",
+    "test_macro_f1",
+)
 
 
 def experiments(shown: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -61,14 +68,15 @@ def test_repro_noop_exp_run_and_bad_values(project_copy: Path):
     evaluate = json.loads((root / "metrics/evaluate.json").read_text())
     assert 0.5 < evaluate["test_accuracy"] < 0.98  # learns, and the corpus is not trivially separable
     report = (root / "reports/report.md").read_text()
-    assert "| default |" in report and "Train time" in report and "Peak memory" in report
+    assert "| default |" in report and "Train time" in report and "Peak train memory" in report
 
     # The report's numbers are the DVC metrics and the MLflow metrics, under one rounding rule.
     accuracy = next(c for c in COLUMNS if c.metric == "test_accuracy")
     best_run = json.loads((root / "metrics/train.json").read_text())["mlflow_run_id"]
     stored = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}").get_run(best_run).data.metrics
     assert stored["test_accuracy"] == evaluate["test_accuracy"]
-    assert f"| {format_metric(evaluate['test_accuracy'], accuracy)} |" in report
+    low, high = (f"{100 * evaluate[f'test_accuracy_ci_{end}']:.1f}" for end in ("low", "high"))
+    assert f"| {format_metric(evaluate['test_accuracy'], accuracy)} [{low}, {high}] |" in report
     plots = run(["dvc", "plots", "show", "-o", str(root.parent / "plots_html")], root)
     page = (root.parent / "plots_html" / "index.html").read_text()
     assert "Confusion matrix" in page and "Training loss" in page, plots.stdout

@@ -23,7 +23,7 @@ FINAL_METRICS = (
     "train_time_s",
     "samples_per_s",
     "tokens_per_s",
-    "peak_memory_bytes",
+    "peak_train_memory_bytes",
     "test_accuracy",
     "test_macro_f1",
     "val_accuracy",

@@ -1,0 +1,96 @@
+"""One `dvc repro` of a strategy grid on a BERT of a few million parameters: the numbers mean what they say."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import run, write_params
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
+GRID = {
+    "vanilla": {},
+    "grad_checkpointing": {"grad_checkpointing": True},
+    "adafactor": {"optim": "adafactor"},
+    "accumulation": {"batch_size": 8, "grad_accum_steps": 4},
+}
+# ~3.7M parameters: big enough that activations and optimizer state dominate what training allocates.
+BERT_3M = {
+    "model.config.hidden_size": 256,
+    "model.config.num_hidden_layers": 4,
+    "model.config.num_attention_heads": 4,
+    "model.config.intermediate_size": 1024,
+}
+
+
+def report_rows(markdown: str) -> dict[str, dict[str, str]]:
+    """The comparison table of reports/report.md as {trial: {header: cell}}."""
+    lines = [line for line in markdown.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    return {cells[0]: dict(zip(header, cells, strict=True)) for cells in rows}
+
+
+def percent(cell: str) -> int:
+    return int(re.search(r"\((\d+)%", cell).group(1))
+
+
+def test_grid_memory_time_and_noise_are_each_trials_own(project_copy: Path):
+    root = project_copy
+    write_params(
+        root,
+        {
+            "tune.variants": GRID,
+            "batch_size": 32,
+            "epochs": 1,
+            "data.generator.num_rows": 2000,
+            "checkpoint_every_n_steps": None,
+            **BERT_3M,
+        },
+    )
+    run(["dvc", "repro"], root, timeout=1200)
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("finetune").experiment_id
+    trials = {
+        r.data.tags["variant"]: r
+        for r in client.search_runs([experiment], "attributes.status = 'FINISHED'")
+        if "mlflow.parentRunId" in r.data.tags
+    }
+    assert set(trials) == set(GRID)
+    m = {name: t.data.metrics for name, t in trials.items()}
+    vanilla = m["vanilla"]
+    assert 3e6 < vanilla["param_bytes"] / 4 < 5e6  # a BERT of a few million parameters
+
+    # Memory: what training allocates, each trial's own.
+    for name in ("grad_checkpointing", "accumulation"):
+        assert m[name]["peak_train_memory_bytes"] < 0.8 * vanilla["peak_train_memory_bytes"], name
+    assert m["adafactor"]["optimizer_state_bytes"] < 0.05 * vanilla["optimizer_state_bytes"]
+    assert len({t.data.tags["pid"] for t in trials.values()}) == len(GRID)  # a fresh process per trial
+    assert all(t.data.tags["peak_rss"] == "reset at trial start" for t in trials.values())
+    assert len({metrics["peak_train_memory_bytes"] for metrics in m.values()}) == len(GRID)
+
+    # Time: optimizer steps only; checkpointing recomputes the forward pass, so it is slower.
+    assert m["grad_checkpointing"]["train_time_s"] > vanilla["train_time_s"]
+    for metrics in m.values():
+        regions = sum(metrics[k] for k in ("setup_time_s", "warmup_time_s", "train_time_s", "val_time_s"))
+        assert metrics["wall_time_s"] > regions and metrics["val_time_s"] > 0
+        assert metrics["test_accuracy_ci_low"] < metrics["test_accuracy"] < metrics["test_accuracy_ci_high"]
+        assert metrics["test_macro_f1_ci_low"] <= metrics["test_macro_f1"] <= metrics["test_macro_f1_ci_high"]
+
+    # The report says the same, with intervals.
+    rows = report_rows((root / "reports" / "report.md").read_text())
+    assert set(rows) == set(GRID)
+    for name in ("grad_checkpointing", "accumulation"):
+        assert percent(rows[name]["Peak train memory"]) < 80, rows[name]
+    assert percent(rows["adafactor"]["Optimizer state"]) < 5
+    assert percent(rows["grad_checkpointing"]["Train time"]) > 100
+    for cells in rows.values():
+        assert re.fullmatch(r"\d+\.\d\d \[\d+\.\d, \d+\.\d\]", cells["Accuracy"]), cells["Accuracy"]
+    evaluate = json.loads((root / "metrics" / "evaluate.json").read_text())
+    assert evaluate["test_accuracy_ci_low"] < evaluate["test_accuracy"] < evaluate["test_accuracy_ci_high"]
