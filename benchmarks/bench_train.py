@@ -1,13 +1,21 @@
 """Every optimization side by side, and our engine against the Hugging Face Trainer, on AG News (CPU).
 
-    python -m benchmarks.bench_train [--train-rows N] [--epochs E]
+    python -m benchmarks.bench_train [--train-rows N] [--epochs E] [--repeats R] [--json PATH]
 
 all-MiniLM-L6-v2 (22M params) fine-tuned as a 4-class classifier on AG News rows
 (max_length 128), scored on the 1,520-row test split. Each configuration runs in its own
-process (peak RSS is a per-process high-water mark) with the same rows, seed, lr and
-schedule. Prints wall time, samples/s, peak RSS, our exact optimizer-state and
-saved-activation bytes, and accuracy, each also as % of vanilla; then the Trainer
-comparison like for like (fp32 vs fp32, bf16 vs bf16) and fastest vs fastest.
+process with the same rows, seed, lr and schedule, and no evaluation during training.
+
+Time is measured alike on both sides:
+- "steps": the optimizer steps after the first one, with the data loading between them. Ours is
+  the engine's `train_time_s`; the Trainer's is taken by a callback from the end of its first
+  optimizer step to the end of its last (`on_step_end`), the same region.
+- "wall": the whole training call (ours: `train_model`, with its memory probe and warm-up step;
+  the Trainer: `trainer.train()`), evaluation excluded on both sides.
+Memory: our peak training memory (PyTorch's MemTracker over a training step, with its
+activations and optimizer-state breakdown) and, for both, the process's peak RSS.
+Prints both tables (like-for-like ratios first, fastest-vs-fastest second) and writes every
+run's figures, per seed, as JSON.
 """
 
 from __future__ import annotations
@@ -93,6 +101,7 @@ def run_ours(params, model, train, test, pad_id: int) -> dict[str, float]:
     from pipelines.evaluation import evaluate_model
     from pipelines.train.engine import train_model
 
+    start = time.perf_counter()
     result = train_model(
         model,
         train,
@@ -103,6 +112,7 @@ def run_ours(params, model, train, test, pad_id: int) -> dict[str, float]:
         precision=params.precision,
         say=lambda _: None,
     )
+    wall = time.perf_counter() - start
     names = ["1", "2", "3", "4"]
     accuracy = evaluate_model(
         model, test, names, params, pad_id=pad_id, device=torch.device("cpu"), precision=params.precision
@@ -110,11 +120,38 @@ def run_ours(params, model, train, test, pad_id: int) -> dict[str, float]:
     m = result.metrics
     return {
         "train_time_s": m["train_time_s"],
+        "wall_time_s": wall,
         "samples_per_s": m["samples_per_s"],
         "accuracy": accuracy,
+        "peak_train_memory_mb": m["peak_train_memory_bytes"] / 2**20,
         "optimizer_state_mb": m["optimizer_state_bytes"] / 2**20,
         "activations_mb": m["peak_activation_bytes"] / 2**20,
+        "fast_dropout": result.notes.get("fast_dropout", "off"),
     }
+
+
+def step_clock():
+    """A TrainerCallback timing the Trainer's optimizer steps after the first (our train_time_s region)."""
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):
+        def __init__(self) -> None:
+            self.first_end: float | None = None
+            self.last_end = 0.0
+            self.steps = 0
+
+        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001 - the Trainer's signature
+            now = time.perf_counter()
+            self.steps += 1
+            if self.first_end is None:
+                self.first_end = now
+            self.last_end = now
+
+        @property
+        def seconds(self) -> float:
+            return self.last_end - (self.first_end or self.last_end)
+
+    return StepClock()
 
 
 def run_hf(params, model, train, test, pad_id: int, tokenizer) -> dict[str, float]:
@@ -151,25 +188,36 @@ def run_hf(params, model, train, test, pad_id: int, tokenizer) -> dict[str, floa
             seed=params.seed,
             dataloader_num_workers=0,
         )
+        clock = step_clock()
         trainer = Trainer(
-            model=model, args=args, train_dataset=dataset(train), data_collator=DataCollatorWithPadding(tokenizer)
+            model=model,
+            args=args,
+            train_dataset=dataset(train),
+            data_collator=DataCollatorWithPadding(tokenizer),
+            callbacks=[clock],
         )
         start = time.perf_counter()
         trainer.train()
-        train_time = time.perf_counter() - start
+        wall = time.perf_counter() - start
         prediction = trainer.predict(dataset(test))
     # Score against label_ids: with group_by_length the Trainer returns rows in length-grouped order.
     accuracy = float((prediction.predictions.argmax(-1) == prediction.label_ids).mean())
-    return {"train_time_s": train_time, "samples_per_s": len(train) * params.epochs / train_time, "accuracy": accuracy}
+    # Rows of the timed steps: every step but the first (whose batch is one of batch_size rows or fewer).
+    timed_rows = len(train) * params.epochs - params.batch_size
+    return {
+        "train_time_s": clock.seconds,
+        "wall_time_s": wall,
+        "samples_per_s": timed_rows / clock.seconds,
+        "accuracy": accuracy,
+    }
 
 
 def run_one(name: str, data_dir: Path, model_path: Path, train_rows: int, epochs: int, seed: int) -> dict[str, float]:
-    import resource
-
     from transformers import AutoTokenizer
 
     from pipelines.data.tokenization import TokenizedSplit
     from pipelines.model import build_model
+    from pipelines.train.memory import peak_rss_bytes
     from pipelines.trial import seed_everything
 
     engine, overrides = CONFIGS[name]
@@ -184,7 +232,7 @@ def run_one(name: str, data_dir: Path, model_path: Path, train_rows: int, epochs
         result = run_ours(params, model, train, test, tokenizer.pad_token_id)
     else:
         result = run_hf(params, model, train, test, tokenizer.pad_token_id, tokenizer)
-    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["peak_rss_mb"] = peak_rss_bytes() / 2**20
     return result
 
 
@@ -207,7 +255,7 @@ def run_in_subprocess(name: str, data: str, args: argparse.Namespace, seed: int)
 
 def summarize(runs: list[dict[str, float]]) -> dict[str, float]:
     """Median of every measure over the repeats; accuracy as its mean and standard deviation."""
-    summary = {key: float(np.median([r[key] for r in runs])) for key in runs[0]}
+    summary = {key: float(np.median([r[key] for r in runs])) for key in runs[0] if not isinstance(runs[0][key], str)}
     accuracies = [r["accuracy"] for r in runs]
     summary["accuracy"] = float(np.mean(accuracies))
     summary["accuracy_std"] = float(np.std(accuracies, ddof=1)) if len(runs) > 1 else 0.0
@@ -223,6 +271,12 @@ def main() -> None:
         type=int,
         default=1,
         help="run the engine-vs-Trainer configurations this many times (seeds 42, 43, ...), interleaved",
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=Path(__file__).with_name("bench_train_results.json"),
+        help="where every run's figures go, per seed",
     )
     parser.add_argument("--seed", type=int, default=42, help=argparse.SUPPRESS)
     parser.add_argument("--only", help="run one configuration in this process (used internally)")
@@ -247,46 +301,68 @@ def main() -> None:
                 if name in compared:
                     runs[name].append(run_in_subprocess(name, tmp, args, seed))
     results = {name: summarize(r) for name, r in runs.items()}
+    print_tables(results, runs, args)
+    out = args.json
+    out.write_text(
+        json.dumps(
+            {
+                "command": " ".join(["python -m benchmarks.bench_train", *sys.argv[1:]]),
+                "machine": f"{torch.get_num_threads()} threads, torch {torch.__version__}",
+                "per_seed": {name: [{"seed": 42 + i, **r} for i, r in enumerate(rs)] for name, rs in runs.items()},
+                "summary": results,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    print(f"\nper-seed figures: {out}")
 
+
+def _mb(r: dict[str, float], base: dict[str, float], key: str, digits: int = 1) -> str:
+    if key not in r:
+        return "–"
+    return f"{r[key]:.{digits}f} MB {pct(r[key], base[key])}"
+
+
+def print_tables(results: dict[str, dict[str, float]], runs: dict[str, list], args: argparse.Namespace) -> None:
+    """The configurations against vanilla, then ours against the Trainer (like for like, then fastest)."""
     base = results["vanilla"]
     print(
         f"\nAG News, {args.train_rows} train rows x {args.epochs} epoch(s), all-MiniLM-L6-v2, CPU "
         f"({torch.get_num_threads()} threads), test accuracy on 1,520 rows. Configurations marked * ran "
-        f"{args.repeats} times (seeds 42..{41 + args.repeats}): median time, mean accuracy ± std.\n"
+        f"{args.repeats} times (seeds 42..{41 + args.repeats}): median time, mean accuracy ± sd.\n"
     )
-    print("| Configuration | Train time | Samples/s | Peak RSS | Optimizer state | Activations | Accuracy |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| Configuration | Train time (steps) | Wall time | Samples/s | Peak train memory | Optimizer state "
+        "| Activations | Peak RSS | Accuracy |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        opt = (
-            f"{r['optimizer_state_mb']:.1f} MB {pct(r['optimizer_state_mb'], base['optimizer_state_mb'])}"
-            if "optimizer_state_mb" in r
-            else "–"
-        )
-        act = (
-            f"{r['activations_mb']:.1f} MB {pct(r['activations_mb'], base['activations_mb'])}"
-            if "activations_mb" in r
-            else "–"
-        )
         star = "*" if len(runs[name]) > 1 else ""
         spread = f" ± {100 * r['accuracy_std']:.2f}" if len(runs[name]) > 1 else ""
         print(
             f"| {name}{star} | {r['train_time_s']:.1f} s {pct(r['train_time_s'], base['train_time_s'])} | "
-            f"{r['samples_per_s']:.1f} | {r['peak_rss_mb']:.0f} MB {pct(r['peak_rss_mb'], base['peak_rss_mb'])} | "
-            f"{opt} | {act} | {100 * r['accuracy']:.2f}%{spread} |"
+            f"{r['wall_time_s']:.1f} s | {r['samples_per_s']:.1f} | {_mb(r, base, 'peak_train_memory_mb')} | "
+            f"{_mb(r, base, 'optimizer_state_mb')} | {_mb(r, base, 'activations_mb')} | "
+            f"{r['peak_rss_mb']:.0f} MB | {100 * r['accuracy']:.2f}%{spread} |"
         )
-    print("\n| Ours vs HF Trainer | Wall-time ratio (medians) | Per-seed ratios | Accuracy ours | Accuracy Trainer |")
-    print("|---|---|---|---|---|")
+    print(
+        "\n| Ours vs HF Trainer | Steps-time ratio (medians) | Per-seed | Wall-time ratio (medians) | Per-seed "
+        "| Accuracy ours | Accuracy Trainer |"
+    )
+    print("|---|---|---|---|---|---|---|")
     ours_best = min((n for n, (e, _) in CONFIGS.items() if e == "ours"), key=lambda n: results[n]["train_time_s"])
     hf_best = min((n for n, (e, _) in CONFIGS.items() if e == "hf"), key=lambda n: results[n]["train_time_s"])
     pairs = [(f"{ours} vs {hf}", ours, hf) for ours, hf in LIKE_FOR_LIKE]
     pairs.append((f"fastest vs fastest ({ours_best} vs {hf_best})", ours_best, hf_best))
     for label, ours, hf in pairs:
-        ratio = results[ours]["train_time_s"] / results[hf]["train_time_s"]
-        per_seed = ", ".join(
-            f"{a['train_time_s'] / b['train_time_s']:.2f}" for a, b in zip(runs[ours], runs[hf], strict=False)
-        )
+        cells = []
+        for key in ("train_time_s", "wall_time_s"):
+            ratio = results[ours][key] / results[hf][key]
+            per_seed = ", ".join(f"{a[key] / b[key]:.2f}" for a, b in zip(runs[ours], runs[hf], strict=False))
+            cells += [f"{ratio:.2f}x", per_seed]
         ours_acc, hf_acc = 100 * results[ours]["accuracy"], 100 * results[hf]["accuracy"]
-        print(f"| {label} | {ratio:.2f}x | {per_seed} | {ours_acc:.2f}% | {hf_acc:.2f}% |")
+        print(f"| {label} | {' | '.join(cells)} | {ours_acc:.2f}% | {hf_acc:.2f}% |")
 
 
 if __name__ == "__main__":

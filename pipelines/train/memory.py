@@ -122,20 +122,20 @@ class _ResetPerMicroBatch:
 def track_training_peak(
     model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, run_step: Callable[[object], None]
 ) -> MemoryAtPeak:
-    """Run `run_step(per_micro_batch_meter)` twice under PyTorch's MemTracker; return the peak and its breakdown.
+    """Run `run_step(per_micro_batch_meter)` twice, the second time under PyTorch's MemTracker; return its peak.
 
-    Twice: the first optimizer step creates the optimizer state, so the second is the steady
-    state every later step repeats (state alive while activations are). The caller restores
-    the weights afterwards. Hand-written glue only: the counting is torch's own.
+    The first, untracked, optimizer step creates the optimizer state, so the tracked one is the
+    steady state every later step repeats (state alive while activations are). Only one step is
+    tracked because the tracker, a Python dispatch mode, slows the step it watches several times.
+    The caller restores the weights afterwards. Hand-written glue only: the counting is torch's own.
     """
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    run_step(None)
     tracker = MemTracker()
     tracker.track_external(model, optimizer)
-    meter = _ResetPerMicroBatch(tracker)
     with tracker:
-        run_step(meter)
-        run_step(meter)
+        run_step(_ResetPerMicroBatch(tracker))
     snapshot = tracker.get_tracker_snapshot("peak")
     kinds = snapshot.get(device) or snapshot.get(torch.device(device.type)) or next(iter(snapshot.values()), {})
     by_name = {getattr(k, "value", k): int(v) for k, v in kinds.items()}

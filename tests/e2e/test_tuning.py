@@ -276,3 +276,27 @@ def test_training_goes_on_through_a_tracking_outage_and_nothing_is_lost(project_
     history = client.get_metric_history(child.info.run_id, "train_loss")
     assert sorted(m.step for m in history) == list(range(1, steps + 1))  # every step's point, none lost
     assert not list((project_copy / "mlflow-fallback").glob("*.json"))
+
+
+def test_repeats_run_each_variant_over_seeds_and_the_report_shows_mean_sd(project_copy: Path):
+    write_params(
+        project_copy,
+        {
+            **QUICK,
+            "data.generator.num_rows": 800,
+            "tune.num_samples": 2,
+            "tune.variants": {"vanilla": {}, "adafactor": {"optim": "adafactor"}},
+            "tune.max_concurrent_trials": 2,
+        },
+    )
+    run_stages(project_copy, "tokenize", "train", "evaluate", "report")
+    client = MlflowClient(tracking_uri=f"sqlite:///{project_copy / 'mlflow.db'}")
+    _, _, children = runs_by_kind(client, "finetune")
+    seeds = sorted((c.data.tags["variant"], c.data.params["seed"], c.data.tags["repeat"]) for c in children)
+    assert seeds == [("adafactor", "42", "0"), ("adafactor", "43", "1"), ("vanilla", "42", "0"), ("vanilla", "43", "1")]
+    assert all(c.info.status == "FINISHED" for c in children)
+    report = (project_copy / "reports/report.md").read_text()
+    vanilla = next(line for line in report.splitlines() if line.startswith("| vanilla |"))
+    adafactor = next(line for line in report.splitlines() if line.startswith("| adafactor |"))
+    assert "(n=2)" in vanilla and "(n=2)" in adafactor
+    assert "*" in adafactor.split("|")[7] or "within noise" in adafactor.split("|")[7]  # optimizer state: marked
