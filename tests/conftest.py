@@ -100,3 +100,15 @@ FOUR_VARIANTS = {
     "adafactor": {"optim": "adafactor"},
     "accumulation": {"batch_size": 8, "grad_accum_steps": 4},
 }
+
+# Final metrics every finished trial logs to MLflow.
+FINAL_METRICS = (
+    "train_time_s",
+    "samples_per_s",
+    "tokens_per_s",
+    "peak_train_memory_bytes",
+    "test_accuracy",
+    "test_macro_f1",
+    "val_accuracy",
+    "optimizer_state_bytes",
+)

@@ -94,17 +94,22 @@ class MemoryAtPeak:
     activations: int
     temporaries: int
     other: int
+    activations_peak: int  # the activations' own high point in the step (not necessarily at the total's peak)
 
     def as_metrics(self) -> dict[str, float]:
-        """`peak_train_memory_bytes` and its breakdown as MLflow metric names."""
+        """`peak_train_memory_bytes`, its breakdown at that moment, and the activations' own peak, as metric names."""
         return {
             "peak_train_memory_bytes": float(self.total),
             "peak.param_bytes": float(self.parameters),
             "peak.grad_bytes": float(self.gradients),
             "peak.optimizer_state_bytes": float(self.optimizer_state),
-            "peak_activation_bytes": float(self.activations),
+            "peak.activation_bytes": float(self.activations),
             "peak.temp_bytes": float(self.temporaries),
+            "peak_activation_bytes": float(self.activations_peak),
         }
+
+
+_ACTIVATION = "Activation"  # MemTracker's name for the activation category (a str enum)
 
 
 class _ResetPerMicroBatch:
@@ -134,6 +139,19 @@ def track_training_peak(
     run_step(None)
     tracker = MemTracker()
     tracker.track_external(model, optimizer)
+    # The tracker keeps the snapshot at the total's peak only; the activations' own high point can come
+    # earlier (under checkpointing and accumulation the total peaks in the optimizer step, activations
+    # long freed), so it is read after every op too, from the tracker's running snapshot.
+    activations_peak = 0
+    update_peak = tracker._update_peak_stats
+
+    def update_and_watch_activations(state: object) -> None:
+        nonlocal activations_peak
+        update_peak(state)
+        for kinds in tracker._curr_mem_snap.values():
+            activations_peak = max(activations_peak, sum(v for k, v in kinds.items() if k == _ACTIVATION))
+
+    tracker._update_peak_stats = update_and_watch_activations  # type: ignore[method-assign]
     with tracker:
         run_step(_ResetPerMicroBatch(tracker))
     snapshot = tracker.get_tracker_snapshot("peak")
@@ -147,6 +165,7 @@ def track_training_peak(
         activations=by_name.get("Activation", 0),
         temporaries=by_name.get("Temp", 0),
         other=by_name.get("Other", 0),
+        activations_peak=max(activations_peak, by_name.get("Activation", 0)),
     )
 
 

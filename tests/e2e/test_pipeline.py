@@ -12,18 +12,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from pipelines.report import COLUMNS, format_metric
-from tests.conftest import run
+from tests.conftest import FINAL_METRICS, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
-
-FINAL_METRICS = (
-    "train_time_s",
-    "samples_per_s",
-    "tokens_per_s",
-    "peak_train_memory_bytes",
-    "test_accuracy",
-    "test_macro_f1",
-)
 
 
 def experiments(shown: list[dict[str, Any]]) -> list[dict[str, Any]]:

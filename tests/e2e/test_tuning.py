@@ -15,20 +15,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import FOUR_VARIANTS, QUICK, git_env, run, write_params
+from tests.conftest import FINAL_METRICS, FOUR_VARIANTS, QUICK, git_env, run, write_params
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-
-FINAL_METRICS = (
-    "train_time_s",
-    "samples_per_s",
-    "tokens_per_s",
-    "peak_train_memory_bytes",
-    "test_accuracy",
-    "test_macro_f1",
-    "val_accuracy",
-    "optimizer_state_bytes",
-)
 
 
 def free_port() -> int:

@@ -92,7 +92,7 @@ def memory_metrics(default_params, **overrides):
 def test_peak_training_memory_agrees_with_its_exact_breakdown_within_10_percent(default_params):
     m = memory_metrics(default_params)
     # Parameters and optimizer state counted from the tensors themselves, plus what was alive at the peak.
-    breakdown = m["param_bytes"] + m["optimizer_state_bytes"] + m["peak.grad_bytes"] + m["peak_activation_bytes"]
+    breakdown = m["param_bytes"] + m["optimizer_state_bytes"] + m["peak.grad_bytes"] + m["peak.activation_bytes"]
     assert abs(breakdown - m["peak_train_memory_bytes"]) <= 0.10 * m["peak_train_memory_bytes"], (breakdown, m)
     assert m["peak.param_bytes"] == pytest.approx(m["param_bytes"], rel=0.01)  # plus the model's buffers
     # The tracker also counts AdamW's one-element step counters, which the exact count leaves out.
