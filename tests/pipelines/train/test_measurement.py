@@ -198,3 +198,14 @@ def test_a_nonfinite_window_is_skipped_not_applied(default_params, monkeypatch, 
     after = [h["loss"] for h in result.history if h["step"] > 5]
     assert after and all(math.isfinite(loss) for loss in after)
     assert [h["skipped_steps"] for h in result.history][3:5] == [1.0, 2.0]
+
+
+@pytest.mark.parametrize("optim", ["adamw", "adafactor"])
+def test_the_memory_probe_leaves_training_exactly_as_without_it(default_params, monkeypatch, optim):
+    import pipelines.train.engine as engine
+
+    probed = run(default_params, model=tiny_model(dropout=0.1), optim=optim).history
+    monkeypatch.setattr(engine, "_measure_memory", lambda *args, **kwargs: None)
+    unprobed = run(default_params, model=tiny_model(dropout=0.1), optim=optim).history
+    # Weights, optimizer state, scaler and RNG (dropout masks) are put back: the same losses, bit for bit.
+    assert [h["loss"] for h in probed] == [h["loss"] for h in unprobed]
