@@ -97,7 +97,11 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
         client,
         context.experiment_id,
         f"{variant}-{trial_id}",
-        {"variant": variant, "trial_id": trial_id, **{k: str(config[k]) for k in (REPEAT_KEY,) if k in config}},
+        {
+            "variant": variant,
+            "trial_id": trial_id,
+            **({REPEAT_KEY: str(config[REPEAT_KEY])} if REPEAT_KEY in config else {}),
+        },
         context.parent_run_id,
     )
     logger = RunLogger(client, run_id, fallback_dir=context.fallback_dir)
@@ -231,7 +235,7 @@ def train_and_save(
         logger.log_tags(
             {
                 "checkpoint": " / ".join(resume_messages),
-                **{f"{key}.resolved" if key != "fast_dropout" else key: value for key, value in result.notes.items()},
+                **result.notes,
             }
         )
     eval_start = time.perf_counter()

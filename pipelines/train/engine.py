@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from pipelines.data.batching import LengthGroupedBatchSampler
+from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.params import Params
@@ -55,7 +55,7 @@ OUT_OF_MEMORY: tuple[type[BaseException], ...] = (torch.cuda.OutOfMemoryError,)
 
 @dataclass
 class TrainResult:
-    """What a finished run measured: final metrics, the logged (step, loss, lr) curve, and run notes for tags."""
+    """What a finished run measured: final metrics, the logged (step, loss, lr) curve, and tags for its run."""
 
     metrics: dict[str, float]
     history: list[dict[str, float]] = field(default_factory=list)
@@ -100,7 +100,7 @@ def train_model(
     model.to(device)
     # Inductor draws its own fused dropout masks under compile; CUDA's dropout is already fused.
     use_fast_dropout = params.fast_dropout and device.type == "cpu" and not params.compile
-    probe = _probe_inputs(train, params, pad_id) if use_fast_dropout else None
+    probe = _probe_inputs(train, pad_id) if use_fast_dropout else None
     with fast_dropout(model, probe, bf16=precision == "bf16") if use_fast_dropout else nullcontext() as use:
         notes = {"fast_dropout": use.describe() if isinstance(use, FastDropoutUse) else "off"}
         result = _train(
@@ -121,11 +121,11 @@ def train_model(
     return result
 
 
-def _probe_inputs(train: TokenizedSplit, params: Params, pad_id: int) -> dict[str, torch.Tensor]:
+def _probe_inputs(train: TokenizedSplit, pad_id: int) -> dict[str, torch.Tensor]:
     """A few rows of unequal length (so the batch has padding) for fast_dropout's equality check."""
     order = train.lengths.argsort()
     picks = sorted({int(order[0]), int(order[len(order) // 2]), int(order[-1])})
-    batch = next(iter(make_loader(train, [picks], params, pad_id, torch.device("cpu"), None)))
+    batch = PadCollator(train, pad_id, fixed_length=None, pad_to_multiple_of=None)(picks)
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
 
@@ -155,7 +155,6 @@ def _measure_memory(
         torch.set_rng_state(rng)
         if cuda_rng:
             torch.cuda.set_rng_state_all(cuda_rng)
-        del weights
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
@@ -205,10 +204,11 @@ def _train(
 
     first_window = plan_windows(sampler.batches(0), accum)[0]  # the longest batch comes first
     in_process = params.model_copy(update={"num_workers": 0, "persistent_workers": False})
+    # Collated once, run twice by the probe (untracked, then tracked).
+    first_batches = list(make_loader(train, first_window, in_process, pad_id, device, pad_multiple))
 
     def probe_window(meter: object) -> None:
-        loader = iter(make_loader(train, first_window, in_process, pad_id, device, pad_multiple))
-        accumulate_window(model, loader, first_window, precision, device, scaler, meter)
+        accumulate_window(model, iter(first_batches), first_window, precision, device, scaler, meter)
         optimizer_step(model, optimizer, scaler, params.max_grad_norm, precision)
 
     memory = _measure_memory(model, optimizer, scaler, probe_window, device, say)
@@ -349,7 +349,7 @@ def _train(
     metrics = final_metrics(state, model, optimizer, device, compiled=params.compile)
     if world_size > 1:
         metrics = reduce_final_metrics(metrics, device)
-    notes = {"tf32": str(tf32).lower(), "pad_to_multiple_of": str(pad_multiple)}
+    notes = {"tf32.resolved": str(tf32).lower(), "pad_to_multiple_of.resolved": str(pad_multiple)}
     return TrainResult(metrics=metrics, history=state.history, notes=notes)
 
 

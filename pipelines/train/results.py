@@ -62,9 +62,10 @@ def final_metrics(
         **state.val_metrics,
     }
     if device.type == "cuda":
-        # The allocator's peak over the training segments only (validation and the probe excluded).
-        metrics["peak_train_memory_bytes"] = max(state.cuda_peak_allocated, torch.cuda.max_memory_allocated(device))
-        metrics["peak_reserved_bytes"] = max(state.cuda_peak_reserved, torch.cuda.max_memory_reserved(device))
+        # The allocator's peak over the training segments only (validation and the probe excluded),
+        # gathered by the engine each time training pauses, the last time before these metrics.
+        metrics["peak_train_memory_bytes"] = state.cuda_peak_allocated
+        metrics["peak_reserved_bytes"] = state.cuda_peak_reserved
     return {k: float(v) for k, v in metrics.items()}
 
 
