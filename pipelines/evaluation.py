@@ -1,4 +1,5 @@
-"""Test-split metrics and per-row predictions, in the split's own row order."""
+"""A classifier's test-split metrics and per-row predictions (in the split's own row order), and loading a saved model
+of any task to score it."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from sklearn.metrics import confusion_matrix, f1_score, precision_recall_fscore_
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.noise import bootstrap_macro_f1_interval, wilson_interval
 from pipelines.params import Params
+from pipelines.tasks.base import TestResult
 from pipelines.train.device import ResolvedPrecision
-from pipelines.train.validation import evaluate_split
+from pipelines.train.validation import predict_logits
 
 
 @dataclass
@@ -82,7 +84,7 @@ def evaluate_model(
     """Run `model` over `split` (bucketed, inference mode) and score it."""
     model.to(device)
     start = time.perf_counter()
-    logits, loss = evaluate_split(model, split, params, pad_id, device, precision)
+    logits, loss = predict_logits(model, split, params, pad_id, device, precision)
     elapsed = time.perf_counter() - start
     result = score(split.labels, logits, label_names)
     result.metrics["test_loss"] = loss
@@ -90,26 +92,21 @@ def evaluate_model(
     return result
 
 
-def evaluate_saved_model(model_dir: Path, tokenized_dir: Path) -> Evaluation:
-    """Evaluate a model folder written by a trial on the test split, with the params it was trained with."""
+def evaluate_saved_model(model_dir: Path, tokenized_dir: Path) -> TestResult:
+    """Evaluate a model folder written by a trial on the test split, with the params (and task) it was trained with."""
     from transformers import AutoTokenizer
 
-    from pipelines.data.tokenization import TokenizedSplit, load_label_names
-    from pipelines.model import load_trained
+    from pipelines.adapters import load_trained_model
+    from pipelines.tasks import get_task
     from pipelines.train.device import resolve_device, resolve_precision
 
     params = Params.model_validate(json.loads((model_dir / "params.json").read_text(encoding="utf-8")))
+    task = get_task(params.task)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     device = resolve_device(params)
-    return evaluate_model(
-        load_trained(model_dir),
-        TokenizedSplit.load(tokenized_dir / "test"),
-        load_label_names(model_dir),
-        params,
-        pad_id=tokenizer.pad_token_id,
-        device=device,
-        precision=resolve_precision(params, device),
-    )
+    model = load_trained_model(model_dir, params, task, tokenizer)
+    split = TokenizedSplit.load(tokenized_dir / "test")
+    return task.evaluate(model, tokenizer, split, model_dir, params, device, resolve_precision(params, device))
 
 
 def confusion_rows(confusion: np.ndarray, label_names: list[str]) -> list[dict[str, str]]:

@@ -1,8 +1,9 @@
-"""Build the classifier: a small BERT from a config, or a pretrained model by name or folder."""
+"""Load models: a small BERT classifier from a config, or any pretrained model by hub id, folder or GGUF file."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification, PreTrainedModel
@@ -45,21 +46,46 @@ def build_model(
             label2id=label2id,
         )
         return BertForSequenceClassification(config)
+    return load_pretrained(
+        AutoModelForSequenceClassification,
+        model,
+        root,
+        num_labels=len(label_names),
+        id2label=id2label,
+        label2id=label2id,
+    )
+
+
+def load_pretrained(auto_class: Any, model: ModelParams, root: Path, **kwargs: Any) -> PreTrainedModel:
+    """`auto_class.from_pretrained` for model.name_or_path at model.revision, de-quantizing model.gguf_file.
+
+    Master weights load in fp32 (autocast handles mixed precision). A GGUF file is de-quantized
+    to fp32 weights, yet transformers leaves the model flagged as quantized (`hf_quantizer`,
+    `config.quantization_config`): the Hugging Face Trainer then refuses to train it and
+    `save_pretrained` writes the flag into the saved config. The weights are plain fp32
+    tensors, so both flags are cleared here.
+    """
     name = resolve_model_name(model, root)
     try:
-        return AutoModelForSequenceClassification.from_pretrained(
+        loaded = auto_class.from_pretrained(
             name,
-            num_labels=len(label_names),
-            id2label=id2label,
-            label2id=label2id,
+            revision=model.revision,
+            gguf_file=model.gguf_file,
             trust_remote_code=model.trust_remote_code,
-            dtype=torch.float32,  # master weights stay fp32; autocast handles mixed precision
+            dtype=torch.float32,
+            **kwargs,
         )
     except (OSError, ValueError) as err:
         raise UserError(
-            f"model.name_or_path = {model.name_or_path!r}: cannot load a model from a local folder or the hub "
-            f"({str(err).splitlines()[0]})"
+            f"model.name_or_path = {model.name_or_path!r}"
+            + (f" (gguf_file {model.gguf_file!r})" if model.gguf_file else "")
+            + f": cannot load a model from a local folder or the hub ({str(err).splitlines()[0]})"
         ) from None
+    if model.gguf_file is not None:
+        loaded.hf_quantizer = None
+        if hasattr(loaded.config, "quantization_config"):
+            del loaded.config.quantization_config
+    return loaded
 
 
 def load_trained(folder: Path) -> PreTrainedModel:

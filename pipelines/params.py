@@ -36,6 +36,8 @@ Optimizer = Literal["adamw", "adafactor", "adamw_8bit", "sgd"]
 Precision = Literal["fp32", "fp16", "bf16", "auto"]
 LrSchedule = Literal["constant", "linear", "cosine", "onecycle", "cyclic", "reduce_on_plateau"]
 DeviceName = Literal["auto", "cpu", "cuda"]
+TaskName = Literal["classification", "causal_lm"]
+AdapterType = Literal["none", "lora"]
 
 GENERATOR_SOURCE = "generator"
 
@@ -76,9 +78,20 @@ class DataParams(StrictModel):
     )
     generator: GeneratorParams = Field(description="Settings of the built-in corpus.")
     text_column: str | list[str] = Field(
-        description="Text column, or a list of columns joined with the tokenizer's separator."
+        description="Text column, or a list of columns joined with the tokenizer's separator (classification); "
+        "causal_lm: the one text column of plain language modelling, used when neither messages_column nor "
+        "prompt_column/response_column are set."
     )
-    label_column: str = Field(description="Label column (strings or integers).")
+    label_column: str = Field(description="Label column (strings or integers); classification only.")
+    prompt_column: str | None = Field(
+        description="causal_lm: the instruction column (masked out of the loss unless train_on_prompt); "
+        "with response_column. null: no prompt/response pair."
+    )
+    response_column: str | None = Field(description="causal_lm: the answer column the model learns to write.")
+    messages_column: str | None = Field(
+        description="causal_lm: a chat column (a list of {role, content}); rendered with the tokenizer's chat "
+        "template, the last assistant message is the response. Takes precedence over prompt/response."
+    )
     csv_columns: list[str] | None = Field(
         description="Column names of CSV files that have no header row (null: the first row is the header)."
     )
@@ -152,7 +165,43 @@ class ModelParams(StrictModel):
         description="Hub model id or local folder; null builds `model.config` with a tokenizer trained on the data."
     )
     config: ModelConfigParams = Field(description="Used when name_or_path is null.")
+    revision: str | None = Field(
+        description="Hub revision (branch, tag or commit) of name_or_path; pin a commit so DVC sees a change of "
+        "weights. null: the default branch."
+    )
+    gguf_file: str | None = Field(
+        description="A GGUF file inside name_or_path, de-quantized to fp32 weights on load (e.g. "
+        "SmolLM2-135M-Instruct.Q4_1.gguf); null: safetensors/bin weights."
+    )
     trust_remote_code: bool = Field(description="Allow a hub model to run its own code (off unless you trust it).")
+
+    @model_validator(mode="after")
+    def _gguf_needs_a_folder(self) -> ModelParams:
+        if self.gguf_file is not None and self.name_or_path is None:
+            raise ValueError("model.gguf_file names a file inside model.name_or_path; set model.name_or_path too")
+        return self
+
+
+class AdapterParams(StrictModel):
+    """Parameter-efficient fine-tuning (peft): train small adapters, freeze the base model."""
+
+    type: AdapterType = Field(description="none: full fine-tuning; lora: low-rank adapters (peft's LoRA).")
+    r: PositiveInt = Field(description="LoRA rank.")
+    alpha: PositiveFloat = Field(description="LoRA scaling numerator (the update is scaled by alpha / r).")
+    dropout: float = Field(ge=0.0, lt=1.0, description="Dropout on the LoRA branch's input.")
+    target_modules: list[str] | None = Field(
+        description="Module names that get adapters (e.g. [q_proj, v_proj]); null: peft's default for the "
+        "model type (attention query and value)."
+    )
+    merge: bool = Field(description="Save the merged model (base + adapter, full size) instead of the adapter alone.")
+
+
+class EvalParams(StrictModel):
+    """How the test split is scored."""
+
+    max_new_tokens: PositiveInt = Field(
+        le=1024, description="causal_lm: the most tokens greedy generation writes per row (exact match)."
+    )
 
 
 class ChoiceDim(StrictModel):
@@ -222,16 +271,22 @@ _SHARED_SECTIONS = ("tune", "tracking", "distributed")
 # Keys the tokenize stage reads to build data/tokenized, once for every trial: a trial cannot change them.
 TOKENIZE_STAGE_KEYS = (
     "seed",
+    "task",
     "data.source",
     "data.generator",
     "data.text_column",
     "data.label_column",
+    "data.prompt_column",
+    "data.response_column",
+    "data.messages_column",
     "data.csv_columns",
     "data.max_length",
     "data.val_fraction",
     "data.test_fraction",
     "data.num_proc",
     "model.name_or_path",
+    "model.revision",
+    "model.gguf_file",
     "model.config.vocab_size",
     "model.trust_remote_code",
 )
@@ -280,8 +335,14 @@ class TuneParams(StrictModel):
         description="Dotted key -> {type: choice|grid|uniform|loguniform|randint, ...}; combined with every variant."
     )
     max_concurrent_trials: PositiveInt = Field(description="Trials running at the same time.")
-    metric: str = Field(description="Trial metric that picks the best trial (and that ASHA compares).")
-    mode: Literal["max", "min"] = Field(description="Whether the metric is maximised or minimised.")
+    metric: str = Field(
+        description="Trial metric that picks the best trial (and that ASHA compares); auto: the task's own "
+        "(classification: val_accuracy, causal_lm: val_loss)."
+    )
+    mode: Literal["max", "min", "auto"] = Field(
+        description="Whether the metric is maximised or minimised; auto: as the task's metric wants (with "
+        "metric: auto), else max for accuracies and min for losses."
+    )
     scheduler: Literal["fifo", "asha"] = Field(
         description="fifo runs every trial to the end; asha stops weak ones early."
     )
@@ -306,6 +367,13 @@ class TrackingParams(StrictModel):
 class Params(StrictModel):
     """Everything a pipeline run reads: training knobs at the top, one section per concern."""
 
+    task: TaskName = Field(
+        description="classification (a label per row) or causal_lm (instruction or plain language-model "
+        "fine-tuning of a decoder)."
+    )
+    train_on_prompt: bool = Field(
+        description="causal_lm: also learn the prompt's tokens (false: only the response's tokens count in the loss)."
+    )
     optim: Optimizer = Field(description="Optimizer.")
     precision: Precision = Field(description="fp32, fp16 (autocast + loss scaling), bf16 (autocast), or auto.")
     batch_size: BatchSize = Field(
@@ -353,6 +421,8 @@ class Params(StrictModel):
     )
     data: DataParams = Field(description="Data source, tokenization, batching.")
     model: ModelParams = Field(description="The model fine-tuned.")
+    adapter: AdapterParams = Field(description="LoRA adapters (peft) instead of full fine-tuning.")
+    eval: EvalParams = Field(description="Test-split scoring.")
     distributed: DistributedParams = Field(description="Data-parallel workers per trial.")
     tune: TuneParams = Field(description="Ray Tune trials.")
     tracking: TrackingParams = Field(description="MLflow tracking.")
@@ -384,6 +454,18 @@ class Params(StrictModel):
             raise ValueError("persistent_workers: true needs num_workers > 0 (there are no workers to keep)")
         if self.distributed.use_gpu and self.device == "cpu":
             raise ValueError("distributed.use_gpu: true gives each worker a GPU; device: cpu cannot use it")
+        if (
+            self.task == "causal_lm"
+            and self.data.messages_column is None
+            and ((self.data.prompt_column is None) != (self.data.response_column is None))
+        ):
+            raise ValueError(
+                f"task: causal_lm needs data.prompt_column and data.response_column together (got "
+                f"{self.data.prompt_column!r} and {self.data.response_column!r}); set both, or neither for plain "
+                "language modelling of data.text_column"
+            )
+        if self.task == "causal_lm" and not isinstance(self.data.text_column, str):
+            raise ValueError("task: causal_lm reads one data.text_column (a string), not a list of columns")
         if self.distributed.num_workers > 1 and self.batch_size == "auto":
             raise ValueError(
                 "batch_size: auto probes one process's memory; with distributed.num_workers > 1 set batch_size "
@@ -524,6 +606,25 @@ def resolve_repo_root(params_path: str | os.PathLike[str] = "params.yaml") -> Pa
     """
     root = os.environ.get("DVC_ROOT")
     return Path(root).resolve() if root else Path(params_path).resolve().parent
+
+
+# The validation metric that picks the best trial when tune.metric is auto, and its direction.
+TASK_OBJECTIVES: dict[str, tuple[str, Literal["max", "min"]]] = {
+    "classification": ("val_accuracy", "max"),
+    "causal_lm": ("val_loss", "min"),
+}
+_LOWER_IS_BETTER = ("loss", "perplexity", "time", "bytes")
+
+
+def tune_objective(params: Params) -> tuple[str, Literal["max", "min"]]:
+    """(metric, mode) that picks the best trial: tune.metric/mode, with auto resolved for the task."""
+    metric, mode = params.tune.metric, params.tune.mode
+    if metric == "auto":
+        metric, task_mode = TASK_OBJECTIVES[params.task]
+        return metric, task_mode if mode == "auto" else mode
+    if mode == "auto":
+        mode = "min" if any(word in metric for word in _LOWER_IS_BETTER) else "max"
+    return metric, mode
 
 
 def ray_address(params: Params) -> str | None:

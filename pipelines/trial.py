@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import time
 import traceback
 from collections.abc import Callable
@@ -22,12 +23,12 @@ from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from ray import tune
 from transformers import AutoTokenizer
 
+from pipelines.adapters import BASE_DIR, apply_adapter, save_base_reference, save_trained
 from pipelines.data.batching import padded_length
-from pipelines.data.tokenization import LABELS_FILE, TOKENIZER_DIR, TokenizedSplit, load_label_names
+from pipelines.data.tokenization import LABELS_FILE, TOKENIZER_DIR, TokenizedSplit
 from pipelines.errors import UserError
-from pipelines.evaluation import evaluate_model
-from pipelines.model import build_model
 from pipelines.params import Params, apply_overrides
+from pipelines.tasks import get_task
 from pipelines.tracking import RunLogger, environment_tags, leave_retries_to_run_logger, log_params, start_run
 from pipelines.train.batch_size import resolve_batch_size
 from pipelines.train.checkpoint import claim_checkpoint_dir, discard
@@ -179,12 +180,20 @@ def train_and_save(
     seed_everything(params.seed)  # the same initial weights on every rank
     tokenized = Path(context.tokenized_dir)
     tokenizer = AutoTokenizer.from_pretrained(tokenized / TOKENIZER_DIR)
-    label_names = load_label_names(tokenized)
+    task = get_task(params.task)
     device = device or resolve_device(params)
     precision = resolve_precision(params, device)
     if logger:
-        logger.log_tags({"precision.resolved": precision, "device.resolved": str(device)})
-    model = build_model(params.model, label_names, len(tokenizer), params.data.max_length, Path(context.root))
+        logger.log_tags({"precision.resolved": precision, "device.resolved": str(device), "task": params.task})
+    model = task.build_model(params, tokenizer, tokenized, Path(context.root))
+    out = Path(context.staging_dir) / trial_id
+    if params.adapter.type != "none" and not params.adapter.merge and rank == 0:
+        # What the adapter needs to be loaded again: a random base's weights, or where a pretrained one is.
+        if params.model.name_or_path is None:
+            model.save_pretrained(out / BASE_DIR, safe_serialization=True)
+        else:
+            save_base_reference(params, Path(context.root), out)
+    model = apply_adapter(model, params.adapter, task)
     if rank:
         torch.manual_seed(params.seed + rank)  # own dropout masks per rank
     train = TokenizedSplit.load(tokenized / "train")
@@ -228,6 +237,7 @@ def train_and_save(
         on_epoch_end=on_epoch_end,
         checkpoint_dir=checkpoint_dir,
         say=say,
+        task=task,
     )
     if rank:
         return {}
@@ -239,23 +249,14 @@ def train_and_save(
             }
         )
     eval_start = time.perf_counter()
-    evaluation = evaluate_model(
-        model,
-        TokenizedSplit.load(tokenized / "test"),
-        label_names,
-        params,
-        pad_id=tokenizer.pad_token_id,
-        device=device,
-        precision=precision,
-    )
+    test = TokenizedSplit.load(tokenized / "test")
+    evaluation = task.evaluate(model, tokenizer, test, tokenized, params, device, precision)
     test_eval_time = time.perf_counter() - eval_start
     save_start = time.perf_counter()
-    out = Path(context.staging_dir) / trial_id
-    if params.grad_checkpointing:
-        model.activation_checkpointing_disable()
-    model.save_pretrained(out, safe_serialization=True)
+    save_trained(model, out, params)
     tokenizer.save_pretrained(out)
-    (out / LABELS_FILE).write_text(json.dumps({"names": label_names}, indent=2) + "\n", encoding="utf-8")
+    if (tokenized / LABELS_FILE).is_file():
+        shutil.copyfile(tokenized / LABELS_FILE, out / LABELS_FILE)
     (out / PARAMS_FILE).write_text(json.dumps(params.model_dump(mode="json"), indent=2, sort_keys=True) + "\n")
     (out / "history.json").write_text(json.dumps(result.history) + "\n")
     metrics = {**result.metrics, **evaluation.metrics, "test_eval_time_s": test_eval_time}

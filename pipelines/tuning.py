@@ -9,7 +9,16 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.errors import UserError
-from pipelines.params import ChoiceDim, GridDim, LogUniformDim, Params, SearchDim, UniformDim, ray_address
+from pipelines.params import (
+    ChoiceDim,
+    GridDim,
+    LogUniformDim,
+    Params,
+    SearchDim,
+    UniformDim,
+    ray_address,
+    tune_objective,
+)
 from pipelines.tracking import (
     close_dangling_children,
     git_commit,
@@ -181,6 +190,7 @@ def run_tuning(
         scheduler=params.tune.scheduler,
         tokenize_stats=tokenize_stats,
     )
+    objective = tune_objective(params)
     status = "FAILED"
     try:
         init_ray(local_ray_cpus(params, cpus), ray_address(params))
@@ -190,8 +200,8 @@ def run_tuning(
             tune.with_resources(tune.with_parameters(run_trial, context=context), resources),
             param_space=param_space(params),
             tune_config=tune.TuneConfig(
-                metric=params.tune.metric,
-                mode=params.tune.mode,
+                metric=objective[0],
+                mode=objective[1],
                 num_samples=tuner_num_samples(params),
                 max_concurrent_trials=params.tune.max_concurrent_trials,
                 scheduler=_scheduler(params),
@@ -232,7 +242,7 @@ def _last_line(error: BaseException) -> str:
 def _summarize(
     results: Any, params: Params, parent_run_id: str, experiment_id: str, tracking_uri: str
 ) -> dict[str, Any]:
-    metric, mode = params.tune.metric, params.tune.mode
+    metric, mode = tune_objective(params)
     trials, failures, stopped = [], [], []
     for result in results:
         last = result.metrics or {}

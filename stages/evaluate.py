@@ -20,17 +20,16 @@ PREDICTIONS = Path("predictions/test.csv")
 
 def main() -> None:
     params = load_params()
-    from pipelines.data.tokenization import load_label_names
-    from pipelines.evaluation import confusion_rows, evaluate_saved_model, per_class_rows
+    from pipelines.evaluation import evaluate_saved_model
     from pipelines.tracking import log_evaluation, open_store
 
     # The store first: it closes runs whose process died (kill -9) even if evaluation fails below.
     client, _ = open_store(params.tracking, resolve_repo_root())
     result = evaluate_saved_model(BEST_MODEL, TOKENIZED)
     atomic_write_text(PREDICTIONS, result.predictions.to_csv(index=False))
-    names = load_label_names(BEST_MODEL)
-    atomic_write_json(CONFUSION, confusion_rows(result.confusion, names))
-    atomic_write_json(PER_CLASS, per_class_rows(result.metrics, names))
+    # DVC declares the plots for every task; a task without them (causal_lm) writes empty ones.
+    atomic_write_json(CONFUSION, result.plots.get("confusion", []))
+    atomic_write_json(PER_CLASS, result.plots.get("per_class", []))
     atomic_write_json(METRICS, result.metrics)
     best_run_id = json.loads(TRIALS.read_text())["best"]["mlflow_run_id"]
     log_evaluation(client, best_run_id, result.metrics, [METRICS, PREDICTIONS])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -10,17 +9,7 @@ import numpy as np
 
 from pipelines.data.batching import LengthGroupedBatchSampler, padded_length, padding_fraction
 from pipelines.data.sources import SPLITS, load_splits
-from pipelines.data.tokenization import (
-    LABELS_FILE,
-    TOKENIZER_DIR,
-    TokenizedSplit,
-    encode_texts,
-    join_texts,
-    label_names,
-    load_pretrained_tokenizer,
-    set_tokenizer_threads,
-    train_word_tokenizer,
-)
+from pipelines.data.tokenization import TOKENIZER_DIR, load_pretrained_tokenizer, set_tokenizer_threads
 from pipelines.params import DataParams, Params
 
 
@@ -57,34 +46,30 @@ def length_stats(
 
 
 def prepare_dataset(params: Params, root: Path, out_dir: Path) -> dict[str, Any]:
-    """Write tokenized splits, the tokenizer and the label map into `out_dir`; return the stats."""
+    """Write tokenized splits, the tokenizer and the task's metadata into `out_dir`; return the stats."""
+    from pipelines.tasks import get_task
     from pipelines.train.device import resolve_device, resolve_pad_multiple
 
+    task = get_task(params.task)
     data = params.data
     # The padding the train stage will use on this machine (auto: 8 on CUDA, none on CPU).
     pad_multiple = resolve_pad_multiple(params, resolve_device(params))
     set_tokenizer_threads(data.num_proc)
-    splits = load_splits(data, params.seed, root)
-    names = label_names(splits["train"]["label"])
-    label_ids = {name: i for i, name in enumerate(names)}
+    splits = load_splits(data, params.seed, root, task)
     if params.model.name_or_path is None:
-        train_texts = join_texts(splits["train"]["texts"].tolist(), "[SEP]")
-        tokenizer = train_word_tokenizer(train_texts, params.model.config.vocab_size)
+        tokenizer = task.train_tokenizer(splits["train"], params.model.config.vocab_size)
     else:
         tokenizer = load_pretrained_tokenizer(params.model, root)
     tokenizer.save_pretrained(out_dir / TOKENIZER_DIR)
-    (out_dir / LABELS_FILE).write_text(json.dumps({"names": names}, indent=2) + "\n", encoding="utf-8")
-
-    stats: dict[str, Any] = {"num_labels": len(names)}
+    stats: dict[str, Any] = dict(task.write_metadata(splits["train"], out_dir))
     for split in SPLITS:
         table = splits[split]
-        texts = join_texts(table["texts"].tolist(), tokenizer.sep_token or "[SEP]")
-        ids, lengths, truncated = encode_texts(tokenizer, texts, data.max_length)
-        labels = table["label"].map(label_ids).to_numpy(dtype=np.int64)
-        TokenizedSplit(ids, lengths, labels).save(out_dir / split)
+        encoded = task.encode(tokenizer, table, params, out_dir)
+        encoded.split.save(out_dir / split)
+        lengths = encoded.split.lengths
         stats[split] = {
             "rows": len(table),
-            "truncated_fraction": round(truncated / len(table), 6),
+            "truncated_fraction": round(encoded.truncated / len(table), 6),
             **length_stats(lengths, data, params.batch_size, params.seed, split == "train", pad_multiple),
         }
     return stats

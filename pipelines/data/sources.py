@@ -8,13 +8,16 @@ fail on user data does so here, naming the file, column or value.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 from sklearn.model_selection import train_test_split
 
-from pipelines.data.synthetic import generate_corpus
 from pipelines.errors import UserError
 from pipelines.params import GENERATOR_SOURCE, DataParams
+
+if TYPE_CHECKING:
+    from pipelines.tasks.base import Task
 
 SPLITS = ("train", "validation", "test")
 _SUFFIXES = (".csv", ".jsonl", ".json", ".parquet")
@@ -71,10 +74,10 @@ def _load_hub(dataset_id: str) -> dict[str, pd.DataFrame]:
     return tables
 
 
-def read_source(data: DataParams, root: Path) -> dict[str, pd.DataFrame]:
-    """Read the raw tables the source provides (some splits may be missing)."""
+def read_source(data: DataParams, root: Path, task: Task) -> dict[str, pd.DataFrame]:
+    """Read the raw tables the source provides (some splits may be missing); the generator writes the task's rows."""
     if data.source == GENERATOR_SOURCE:
-        return {"train": generate_corpus(data.generator)}
+        return {"train": task.generate(data)}
     path = Path(data.source)
     path = path if path.is_absolute() else root / path
     if path.is_dir():
@@ -100,14 +103,18 @@ def _text_columns(data: DataParams) -> list[str]:
     return [data.text_column] if isinstance(data.text_column, str) else list(data.text_column)
 
 
-def normalize_table(table: pd.DataFrame, data: DataParams, where: str) -> pd.DataFrame:
-    """Check the columns and rows of one split; return columns `text` (joined) and `label` (str)."""
-    wanted = _text_columns(data) + [data.label_column]
+def check_columns(table: pd.DataFrame, wanted: list[str], where: str) -> None:
+    """Fail, naming the split, when a wanted column is missing or the split has no rows."""
     missing = [c for c in wanted if c not in table.columns]
     if missing:
         raise DataError(f"{where}: missing column(s) {missing}; columns present: {list(table.columns)}")
     if table.empty:
         raise DataError(f"{where}: the split is empty")
+
+
+def normalize_table(table: pd.DataFrame, data: DataParams, where: str) -> pd.DataFrame:
+    """Check the columns and rows of one classification split; return columns `texts` (tuples) and `label` (str)."""
+    check_columns(table, _text_columns(data) + [data.label_column], where)
     texts = table[_text_columns(data)].astype(str)
     empty = (texts.apply(lambda col: col.str.strip() == "")).all(axis=1)
     if empty.any():
@@ -129,8 +136,9 @@ def make_splits(tables: dict[str, pd.DataFrame], data: DataParams, seed: int) ->
             out[split] = tables[split].reset_index(drop=True)
             continue
         share = fraction / (1.0 - (data.test_fraction if split == "validation" and "test" not in tables else 0.0))
-        counts = train["label"].value_counts()
-        stratify = train["label"] if counts.min() >= 2 else None
+        # Stratified by label where there is one (classification) and every label has two rows to split.
+        labelled = "label" in train and train["label"].value_counts().min() >= 2
+        stratify = train["label"] if labelled else None
         train, held = train_test_split(train, test_size=share, random_state=seed, stratify=stratify)
         out[split] = held.sort_index().reset_index(drop=True)
         train = train.sort_index()
@@ -138,15 +146,24 @@ def make_splits(tables: dict[str, pd.DataFrame], data: DataParams, seed: int) ->
     for split in SPLITS:
         if out[split].empty:
             raise DataError(f"split {split!r} is empty; lower data.val_fraction/test_fraction or add rows")
-    unseen = sorted((set(out["validation"]["label"]) | set(out["test"]["label"])) - set(out["train"]["label"]))
+    has_labels = "label" in out["train"]
+    unseen = (
+        sorted((set(out["validation"]["label"]) | set(out["test"]["label"])) - set(out["train"]["label"]))
+        if has_labels
+        else []
+    )
     if unseen:
         raise DataError(f"label(s) {unseen} occur in validation/test but never in train; the model cannot learn them")
     return {s: out[s] for s in SPLITS}
 
 
-def load_splits(data: DataParams, seed: int, root: Path) -> dict[str, pd.DataFrame]:
-    """Read the source, check every split, and return train/validation/test tables."""
-    raw = read_source(data, root)
+def load_splits(data: DataParams, seed: int, root: Path, task: Task | None = None) -> dict[str, pd.DataFrame]:
+    """Read the source, check every split as the task wants (default: classification), return the three splits."""
+    if task is None:
+        from pipelines.tasks import get_task
+
+        task = get_task("classification")
+    raw = read_source(data, root, task)
     names = {s: f"data.source {data.source!r}, split {s!r}" for s in raw}
-    tables = {s: normalize_table(t, data, names[s]) for s, t in raw.items()}
+    tables = {s: task.normalize_table(t, data, names[s]) for s, t in raw.items()}
     return make_splits(tables, data, seed)

@@ -68,8 +68,8 @@ def _zipf_weights(n: int) -> np.ndarray:
     return weights / weights.sum()
 
 
-def generate_corpus(settings: GeneratorParams) -> pd.DataFrame:
-    """Return `settings.num_rows` rows with columns `text` and `label` (topic names)."""
+def generate_corpus(settings: GeneratorParams, max_words: int = 200) -> pd.DataFrame:
+    """Return `settings.num_rows` rows with columns `text` and `label` (topic names), up to `max_words` words."""
     rng = np.random.default_rng(_CORPUS_SEED)
     taken: set[str] = set()
     topics = TOPICS[: settings.num_classes]
@@ -81,7 +81,7 @@ def generate_corpus(settings: GeneratorParams) -> pd.DataFrame:
     labels: list[str] = []
     for _ in range(settings.num_rows):
         topic = topics[rng.integers(len(topics))]
-        length = int(np.clip(rng.lognormal(np.log(20), 0.6), 4, 200))
+        length = int(np.clip(rng.lognormal(np.log(20), 0.6), 4, max_words))
         strength = rng.uniform(0.02, 0.3)  # share of words that carry the topic
         confusion = rng.uniform(0.0, 0.15)  # share of words borrowed from other topics
         kind = rng.random(length)
@@ -94,3 +94,40 @@ def generate_corpus(settings: GeneratorParams) -> pd.DataFrame:
         texts.append(" ".join(words) + ".")
         labels.append(topics[rng.integers(len(topics))] if rng.random() < settings.label_noise else topic)
     return pd.DataFrame({"text": texts, "label": labels})
+
+
+# Instructions of the causal-LM corpus: each has a rule a model can learn from the row's own words.
+INSTRUCTIONS = (
+    ("topic", "What is the topic of this text?"),
+    ("first", "Which word comes first in this text?"),
+    ("last", "Which word comes last in this text?"),
+)
+# Short texts: prompt + answer fit in the default data.max_length (64 tokens) untruncated.
+_INSTRUCTION_MAX_WORDS = 24
+
+
+def generate_instructions(settings: GeneratorParams) -> pd.DataFrame:
+    """Instruction rows for causal-LM fine-tuning: `prompt`, `response` and `text` (the two joined).
+
+    Each prompt is a text of the topic corpus and one of three instructions; the response is
+    the topic's name, or the text's first or last word: short answers, so exact match after
+    greedy generation measures whether the rule was learnt. Labels keep the corpus's label noise.
+    """
+    corpus = generate_corpus(settings, max_words=_INSTRUCTION_MAX_WORDS)
+    rng = np.random.default_rng(_CORPUS_SEED + 1)
+    kinds = rng.integers(len(INSTRUCTIONS), size=len(corpus))
+    prompts, responses = [], []
+    for text, label, kind in zip(corpus["text"], corpus["label"], kinds, strict=True):
+        name, question = INSTRUCTIONS[kind]
+        words = text.rstrip(".").split()
+        answer = {"topic": label, "first": words[0], "last": words[-1]}[name]
+        prompts.append(f"{text}\nQuestion: {question}\nAnswer:")
+        responses.append(f" {answer}")
+    return pd.DataFrame(
+        {
+            "prompt": prompts,
+            "response": responses,
+            "text": [p + r for p, r in zip(prompts, responses, strict=True)],
+            "instruction": [INSTRUCTIONS[k][0] for k in kinds],
+        }
+    )

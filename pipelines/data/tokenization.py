@@ -25,8 +25,40 @@ from pipelines.errors import UserError
 from pipelines.params import ModelParams
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+# A decoder's word-level tokenizer: no [CLS]/[SEP] framing; [EOS] ends every response.
+CAUSAL_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[BOS]", "[EOS]"]
 TOKENIZER_DIR = "tokenizer"
 LABELS_FILE = "labels.json"
+
+
+def _word_counts(texts: Sequence[str]) -> tuple[Counter[str], normalizers.Normalizer, pre_tokenizers.PreTokenizer]:
+    normalizer = normalizers.BertNormalizer(lowercase=True)
+    pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    counts: Counter[str] = Counter()
+    for text in texts:
+        counts.update(word for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(text)))
+    return counts, normalizer, pre_tokenizer
+
+
+def _most_frequent(counts: Counter[str], keep: int) -> list[str]:
+    # Sorted by (-count, word): deterministic, unlike a trainer's hash-order tie breaks.
+    return sorted(sorted(counts, key=lambda w: (-counts[w], w))[:keep])
+
+
+def train_causal_word_tokenizer(texts: Sequence[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer for a decoder built from a config: words of `texts`, [PAD]/[UNK]/[BOS]/[EOS].
+
+    Decoding joins words with spaces, so a generated answer and its reference decode alike.
+    """
+    counts, normalizer, pre_tokenizer = _word_counts(texts)
+    words = _most_frequent(counts, vocab_size - len(CAUSAL_SPECIAL_TOKENS))
+    vocab = {token: i for i, token in enumerate(CAUSAL_SPECIAL_TOKENS + words)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizer
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]"
+    )
 
 
 def train_word_tokenizer(texts: Sequence[str], vocab_size: int) -> PreTrainedTokenizerFast:
@@ -37,13 +69,10 @@ def train_word_tokenizer(texts: Sequence[str], vocab_size: int) -> PreTrainedTok
     never holds. Counting and sorting by (-count, word) is deterministic by construction.
     Used only when no pretrained model (with its own tokenizer) is named.
     """
-    normalizer = normalizers.BertNormalizer(lowercase=True)
-    pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    counts: Counter[str] = Counter()
-    for text in texts:
-        counts.update(word for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(text)))
-    words = sorted(counts, key=lambda w: (-counts[w], w))[: vocab_size - len(SPECIAL_TOKENS)]
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + sorted(words))}
+    counts, normalizer, pre_tokenizer = _word_counts(texts)
+    vocab = {
+        token: i for i, token in enumerate(SPECIAL_TOKENS + _most_frequent(counts, vocab_size - len(SPECIAL_TOKENS)))
+    }
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     tok.normalizer = normalizer
     tok.pre_tokenizer = pre_tokenizer
@@ -69,12 +98,21 @@ def load_pretrained_tokenizer(model: ModelParams, root: Path) -> PreTrainedToken
 
     name = resolve_model_name(model, root)
     try:
-        return AutoTokenizer.from_pretrained(name, use_fast=True, trust_remote_code=model.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(
+            name,
+            use_fast=True,
+            revision=model.revision,
+            gguf_file=model.gguf_file,
+            trust_remote_code=model.trust_remote_code,
+        )
     except (OSError, ValueError) as err:
         raise UserError(
             f"model.name_or_path = {model.name_or_path!r}: no local model folder there, and the hub "
             f"could not provide it ({str(err).splitlines()[0]})"
         ) from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # decoders often ship without one; padding is masked anyway
+    return tokenizer
 
 
 def join_texts(rows: Sequence[tuple[str, ...]], separator: str) -> list[str]:
@@ -126,11 +164,16 @@ def label_names(train_labels: pd.Series) -> list[str]:
 
 @dataclass(frozen=True)
 class TokenizedSplit:
-    """One split as flat token ids plus per-row offsets, lengths and label ids."""
+    """One split as flat token ids plus per-row offsets and lengths.
+
+    A classifier's split has a label id per row (`labels`); a language model's has, per row, the
+    number of leading prompt tokens (`prompt_lengths`), which the loss skips unless told otherwise.
+    """
 
     input_ids: np.ndarray
     lengths: np.ndarray
-    labels: np.ndarray
+    labels: np.ndarray | None = None
+    prompt_lengths: np.ndarray | None = None
 
     @property
     def offsets(self) -> np.ndarray:
@@ -143,16 +186,23 @@ class TokenizedSplit:
         folder.mkdir(parents=True, exist_ok=True)
         np.save(folder / "input_ids.npy", self.input_ids)
         np.save(folder / "lengths.npy", self.lengths)
-        np.save(folder / "labels.npy", self.labels)
+        for name in ("labels", "prompt_lengths"):
+            if getattr(self, name) is not None:
+                np.save(folder / f"{name}.npy", getattr(self, name))
 
     @classmethod
     def load(cls, folder: Path) -> TokenizedSplit:
         if not (folder / "lengths.npy").is_file():
             raise UserError(f"{folder}: no tokenized split there; run the tokenize stage first (dvc repro tokenize)")
+        optional = {
+            name: np.load(folder / f"{name}.npy")
+            for name in ("labels", "prompt_lengths")
+            if (folder / f"{name}.npy").is_file()
+        }
         return cls(
             input_ids=np.load(folder / "input_ids.npy", mmap_mode="r"),
             lengths=np.load(folder / "lengths.npy"),
-            labels=np.load(folder / "labels.npy"),
+            **optional,
         )
 
 

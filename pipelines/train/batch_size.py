@@ -11,6 +11,7 @@ row are measured and scaled against a share of the memory available.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
@@ -18,9 +19,13 @@ from torch import nn
 
 from pipelines.errors import UserError
 from pipelines.params import Params, apply_overrides
+from pipelines.tasks import get_task
 from pipelines.train.device import ResolvedPrecision
-from pipelines.train.memory import SavedActivationMeter, parameter_bytes
+from pipelines.train.memory import SavedActivationMeter, parameter_bytes, tensor_bytes
 from pipelines.train.steps import backward_micro_batch
+
+if TYPE_CHECKING:
+    from pipelines.tasks.base import Task
 
 # Share of the machine's available RAM a CPU run may plan to use for one step.
 CPU_MEMORY_SHARE = 0.5
@@ -39,23 +44,34 @@ def largest_fitting(effective: int, fits: Callable[[int], bool]) -> int:
     raise UserError("batch_size: auto found that not even one row of the longest length fits in memory")
 
 
-def probe_batch(rows: int, length: int, vocab_size: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """A batch of `rows` full-length rows of arbitrary tokens (memory depends on shape, not content)."""
+def probe_batch(
+    rows: int, length: int, vocab_size: int, device: torch.device, task: Task | None = None
+) -> dict[str, torch.Tensor]:
+    """A batch of `rows` full-length rows of arbitrary tokens (memory depends on shape, not content).
+
+    Its labels have the task's shape (default: a classifier's, one per row).
+    """
     generator = torch.Generator().manual_seed(0)
-    return {
-        "input_ids": torch.randint(5, vocab_size, (rows, length), generator=generator).to(device),
-        "attention_mask": torch.ones(rows, length, dtype=torch.long, device=device),
-        "labels": torch.zeros(rows, dtype=torch.long, device=device),
-    }
+    input_ids = torch.randint(5, vocab_size, (rows, length), generator=generator).to(device)
+    labels = task.probe_labels(input_ids) if task else torch.zeros(rows, dtype=torch.long, device=device)
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
 
 
-def cuda_fits(model: nn.Module, length: int, vocab_size: int, device: torch.device, precision: ResolvedPrecision):
+def cuda_fits(
+    model: nn.Module,
+    length: int,
+    vocab_size: int,
+    device: torch.device,
+    precision: ResolvedPrecision,
+    task: Task | None = None,
+):
     """A probe that runs a real step of `rows` rows and reports whether it ran out of memory."""
     scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
 
     def fits(rows: int) -> bool:
         try:
-            backward_micro_batch(model, probe_batch(rows, length, vocab_size, device), rows, precision, device, scaler)
+            batch = probe_batch(rows, length, vocab_size, device, task)
+            backward_micro_batch(model, batch, rows, precision, device, scaler, task)
             return True
         except torch.cuda.OutOfMemoryError:
             return False
@@ -66,21 +82,30 @@ def cuda_fits(model: nn.Module, length: int, vocab_size: int, device: torch.devi
     return fits
 
 
-def cpu_fits(model: nn.Module, length: int, vocab_size: int, precision: ResolvedPrecision, optimizer_factor: float):
+def cpu_fits(
+    model: nn.Module,
+    length: int,
+    vocab_size: int,
+    precision: ResolvedPrecision,
+    optimizer_factor: float,
+    task: Task | None = None,
+):
     """A probe that scales one row's measured activation bytes against a share of the available RAM."""
     meter = SavedActivationMeter()
     with meter.measure():
         backward_micro_batch(
             model,
-            probe_batch(1, length, vocab_size, torch.device("cpu")),
+            probe_batch(1, length, vocab_size, torch.device("cpu"), task),
             1,
             precision,
             torch.device("cpu"),
             torch.amp.GradScaler("cpu", enabled=False),
+            task,
         )
     model.zero_grad(set_to_none=True)
-    # Parameters, gradients and optimizer state are paid once, whatever the batch.
-    fixed = parameter_bytes(model) * (2 + optimizer_factor)
+    # Parameters are paid once, whatever the batch; gradients and optimizer state for the trainable ones only.
+    trainable = tensor_bytes(p for p in model.parameters() if p.requires_grad)
+    fixed = parameter_bytes(model) + trainable * (1 + optimizer_factor)
     budget = psutil.virtual_memory().available * CPU_MEMORY_SHARE
     return lambda rows: fixed + rows * meter.peak_bytes <= budget
 
@@ -94,12 +119,12 @@ def resolve_batch_size(
     assert params.effective_batch_size is not None  # the schema requires it with auto
     model.to(device).train()
     vocab_size = model.get_input_embeddings().num_embeddings
+    task = get_task(params.task)
     if device.type == "cuda":
-        fits = cuda_fits(model, longest_row, vocab_size, device, precision)
+        fits = cuda_fits(model, longest_row, vocab_size, device, precision, task)
     else:
-        fits = cpu_fits(
-            model, longest_row, vocab_size, precision, optimizer_factor=2.0 if params.optim == "adamw" else 1.0
-        )
+        factor = 2.0 if params.optim == "adamw" else 1.0
+        fits = cpu_fits(model, longest_row, vocab_size, precision, optimizer_factor=factor, task=task)
     rows = largest_fitting(params.effective_batch_size, fits)
     return apply_overrides(
         params,

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -40,9 +41,14 @@ from pipelines.train.steps import (
     make_scaler,
     optimizer_step,
     plan_windows,
+    task_of,
+    window_units,
 )
 from pipelines.train.timing import StepClock, timed
 from pipelines.train.validation import evaluate_split
+
+if TYPE_CHECKING:
+    from pipelines.tasks.base import Task
 
 
 class NonFiniteLoss(UserError):
@@ -84,8 +90,12 @@ def train_model(
     on_epoch_end: EpochFn | None = None,
     checkpoint_dir: Path | None = None,
     say: Callable[[str], None] = print,
+    task: Task | None = None,
 ) -> TrainResult:
     """Train `model` in place for `params.epochs` and return what was measured.
+
+    `task` (default: the one `params.task` names) gives the batches' labels, the loss and the
+    validation metrics; the loop itself is the same for every task.
 
     `validation` (when given) is scored at every epoch's end, on its own clock (`val_time_s`).
 
@@ -116,6 +126,7 @@ def train_model(
             checkpoint_dir=checkpoint_dir,
             say=say,
             setup_start=setup_start,
+            task=task_of(params, task),
         )
     result.notes.update(notes)
     return result
@@ -174,6 +185,7 @@ def _train(
     checkpoint_dir: Path | None,
     say: Callable[[str], None],
     setup_start: float,
+    task: Task,
 ) -> TrainResult:
     model.train()
     if params.grad_checkpointing:
@@ -202,13 +214,15 @@ def _train(
     scaler = make_scaler(precision, device)
     per_epoch_schedule = params.lr_schedule == "reduce_on_plateau"
 
+    units = task.loss_units(train, params)  # per row: what a window's mean loss divides by
     first_window = plan_windows(sampler.batches(0), accum)[0]  # the longest batch comes first
     in_process = params.model_copy(update={"num_workers": 0, "persistent_workers": False})
     # Collated once, run twice by the probe (untracked, then tracked).
-    first_batches = list(make_loader(train, first_window, in_process, pad_id, device, pad_multiple))
+    first_batches = list(make_loader(train, first_window, in_process, pad_id, device, pad_multiple, task))
 
     def probe_window(meter: object) -> None:
-        accumulate_window(model, iter(first_batches), first_window, precision, device, scaler, meter)
+        first_units = window_units(first_window, units)
+        accumulate_window(model, iter(first_batches), first_window, precision, device, scaler, meter, first_units, task)
         optimizer_step(model, optimizer, scaler, params.max_grad_norm, precision)
 
     memory = _measure_memory(model, optimizer, scaler, probe_window, device, say)
@@ -260,14 +274,17 @@ def _train(
     while state.epoch < params.epochs:
         epoch = state.epoch
         windows = plan_windows(sampler.batches(epoch), accum, halvings=state.oom_halvings)
-        # Under DDP each rank's loss is divided by (global window rows / ranks); see accumulate_window.
-        window_rows = [r / world_size for r in global_window_rows(sampler, epoch, accum)] if world_size > 1 else None
+        # Each window's loss is divided by its loss units; under DDP by (global window units / ranks).
+        if world_size > 1:
+            divisors = [u / world_size for u in global_window_rows(sampler, epoch, accum, units)]
+        else:
+            divisors = [window_units(window, units) for window in windows]
         loader = None
         while state.window < len(windows):
             if loader is None:
                 # Resuming mid-epoch: the window plan is deterministic, so skip the windows already done.
                 remaining = [batch for window in windows[state.window :] for batch in window]
-                loader = iter(make_loader(train, remaining, params, pad_id, device, pad_multiple))
+                loader = iter(make_loader(train, remaining, params, pad_id, device, pad_multiple, task))
             warmup = state.step == 0
             region = timed(device, clocks, "warmup_time_s") if warmup else nullcontext()
             if not warmup:
@@ -282,7 +299,8 @@ def _train(
                         device,
                         scaler,
                         None,
-                        window_rows[state.window] if window_rows else None,
+                        divisors[state.window],
+                        task,
                     )
                     if warmup:
                         state.peak_grad_bytes = gradient_bytes(model)
@@ -332,11 +350,7 @@ def _train(
         pause_training()
         if validation is not None:
             with timed(device, clocks, "val_time_s"):
-                val_logits, val_loss = evaluate_split(model, validation, params, pad_id, device, precision)
-            state.val_metrics = {
-                "val_loss": val_loss,
-                "val_accuracy": float((val_logits.argmax(1) == validation.labels).mean()),
-            }
+                state.val_metrics = evaluate_split(model, validation, params, pad_id, device, precision, task)
         if per_epoch_schedule:
             # On the validation loss; without validation, on the epoch's last logged training loss.
             last_train = state.history[-1]["loss"] if state.history else 0.0

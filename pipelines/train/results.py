@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipelines.train.checkpoint import LoopState
-from pipelines.train.memory import optimizer_state_bytes, parameter_bytes, peak_rss_bytes
+from pipelines.train.memory import optimizer_state_bytes, parameter_bytes, peak_rss_bytes, tensor_bytes
 
 # The clocks every run reports (seconds), each its own region; see pipelines/train/timing.py.
 CLOCKS = ("train_time_s", "warmup_time_s", "val_time_s", "checkpoint_time_s", "setup_time_s")
@@ -55,6 +55,8 @@ def final_metrics(
         "skipped_steps": state.skipped_total,
         "final_train_loss": state.history[-1]["loss"] if state.history else float("nan"),
         "param_bytes": parameter_bytes(model),
+        "trainable_param_bytes": tensor_bytes(p for p in model.parameters() if p.requires_grad),
+        "frozen_param_bytes": tensor_bytes(p for p in model.parameters() if not p.requires_grad),
         "grad_bytes": state.peak_grad_bytes,
         "optimizer_state_bytes": optimizer_state_bytes(optimizer),
         "peak_rss_bytes": peak_rss_bytes(),

@@ -2,9 +2,10 @@
 
 Forward under autocast with the loss scaled to its share of the accumulation window;
 backward through the GradScaler; then unscale, clip, step, update, and zero with
-`set_to_none=True` (nanoGPT's shape). The window's loss is a mean over its *rows*, so k
-accumulated micro-batches give the same gradient as one batch of all their rows, also for
-the last, partial window and for bucketed batches of unequal size.
+`set_to_none=True` (nanoGPT's shape). The window's loss is a mean over its *loss units*, which
+the task counts per row before any forward pass (a classifier's rows, a language model's target
+tokens), so k accumulated micro-batches give the same gradient as one batch of all their rows,
+also for the last, partial window and for bucketed batches of unequal size and length.
 
 The GradScaler runs in every precision. In fp16 it scales the loss dynamically; in fp32 and
 bf16 its scale is held at exactly 1.0 (a multiply by one), so what remains is its non-finite
@@ -19,9 +20,10 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
@@ -31,7 +33,19 @@ from pipelines.data.tokenization import TokenizedSplit
 from pipelines.params import Params
 from pipelines.train.device import ResolvedPrecision, autocast_context
 
+if TYPE_CHECKING:
+    from pipelines.tasks.base import Task
+
 FP16_INITIAL_SCALE = 2.0**16
+
+
+def task_of(params: Params, task: Task | None) -> Task:
+    """`task`, else the one `params.task` names."""
+    if task is not None:
+        return task
+    from pipelines.tasks import get_task
+
+    return get_task(params.task)
 
 
 def make_scaler(precision: ResolvedPrecision, device: torch.device) -> torch.amp.GradScaler:
@@ -46,13 +60,15 @@ def make_loader(
     pad_id: int,
     device: torch.device,
     pad_to_multiple_of: int | None,
+    task: Task | None = None,
 ) -> DataLoader:
-    """A DataLoader over precomputed batches; pads dynamically, or to max_length without bucketing."""
-    collator = PadCollator(
+    """A DataLoader over precomputed batches of the task's rows; pads dynamically, or to max_length unbucketed."""
+    collator: PadCollator = task_of(params, task).collator(
         split,
         pad_id,
         fixed_length=None if params.data.bucketing else params.data.max_length,
         pad_to_multiple_of=pad_to_multiple_of,
+        params=params,
     )
     workers = params.num_workers
     return DataLoader(
@@ -82,22 +98,26 @@ def forward_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Te
 def backward_micro_batch(
     model: nn.Module,
     batch: dict[str, torch.Tensor],
-    rows_in_window: float,
+    units_in_window: float,
     precision: ResolvedPrecision,
     device: torch.device,
     scaler: torch.amp.GradScaler,
+    task: Task | None = None,
 ) -> torch.Tensor:
     """Forward under autocast, then backward of this batch's share of the window's mean loss.
 
-    The loss is summed over the batch's rows and divided by the rows of the whole
-    accumulation window, so every row weighs the same whichever micro-batch it is in:
-    k accumulated micro-batches give the gradient of one batch of all their rows.
-    Returns the (detached) contribution to the window's loss.
+    The task's loss is summed over the batch's loss units (rows, or target tokens) and divided
+    by the units of the whole accumulation window, so every unit weighs the same whichever
+    micro-batch it is in: k accumulated micro-batches give the gradient of one batch of all
+    their rows. Returns the (detached) contribution to the window's loss. `task`: default classification.
     """
+    if task is None:
+        from pipelines.tasks import get_task
+
+        task = get_task("classification")
     with autocast_context(precision, device):
-        logits = forward_logits(model, batch)
-    # Cross-entropy in fp32 even under autocast: a bf16 log-softmax loses the small differences.
-    loss = F.cross_entropy(logits.float(), batch["labels"], reduction="sum") / rows_in_window
+        total, _ = task.loss(model, batch)
+    loss = total / max(units_in_window, 1)  # a window whose answers were all truncated away adds 0
     scaler.scale(loss).backward()
     return loss.detach()
 
@@ -122,14 +142,23 @@ def halve_windows(windows: list[list[list[int]]], start: int) -> list[list[list[
     return windows[:start] + halved
 
 
-def global_window_rows(sampler: LengthGroupedBatchSampler, epoch: int, accum: int) -> list[int]:
-    """Rows of each optimizer step's global window: every rank's window s together.
+def window_units(window: list[list[int]], units: np.ndarray | None) -> int:
+    """Loss units of a window: the sum of its rows' units (None: one per row)."""
+    if units is None:
+        return sum(len(batch) for batch in window)
+    return int(sum(int(units[batch].sum()) for batch in window))
+
+
+def global_window_rows(
+    sampler: LengthGroupedBatchSampler, epoch: int, accum: int, units: np.ndarray | None = None
+) -> list[int]:
+    """Loss units (default: rows) of each optimizer step's global window: every rank's window s together.
 
     Computed from the sampler's global batch plan, which every rank knows, so no communication.
     """
     all_batches = sampler.global_batches(epoch)
     per_rank = [plan_windows(all_batches[r :: sampler.num_replicas], accum) for r in range(sampler.num_replicas)]
-    return [sum(len(b) for windows in per_rank for b in windows[s]) for s in range(len(per_rank[0]))]
+    return [sum(window_units(windows[s], units) for windows in per_rank) for s in range(len(per_rank[0]))]
 
 
 def accumulate_window(
@@ -140,17 +169,19 @@ def accumulate_window(
     device: torch.device,
     scaler: torch.amp.GradScaler,
     meter: object | None,
-    rows_in_window: float | None = None,
+    units_in_window: float | None = None,
+    task: Task | None = None,
 ) -> tuple[torch.Tensor, tuple[int, int, float]]:
     """Forward and backward every micro-batch of one window; return its loss and (rows, real tokens, data wait s).
 
-    The loss is divided by `rows_in_window` (default: this window's rows). Under data parallelism
-    the caller passes the rows of the *global* window divided by the rank count, so that DDP's
-    gradient average over ranks gives the mean over every row of the global batch. `meter`, when
-    given, has a `measure()` context entered around each micro-batch (memory measurement).
+    The loss is divided by `units_in_window`, the window's loss units (`window_units`; default:
+    its rows, a classifier's unit). Under data parallelism the caller passes the units of the
+    *global* window divided by the rank count, so that DDP's gradient average over ranks gives
+    the mean over every unit of the global batch. `meter`, when given, has a `measure()` context
+    entered around each micro-batch (memory measurement).
     """
-    if rows_in_window is None:
-        rows_in_window = sum(len(batch) for batch in window)
+    if units_in_window is None:
+        units_in_window = window_units(window, None)
     total = torch.zeros((), device=device)
     rows = tokens = 0
     wait = 0.0
@@ -158,14 +189,14 @@ def accumulate_window(
         fetch = time.perf_counter()
         batch = next(loader)
         wait += time.perf_counter() - fetch
-        rows += len(batch["labels"])
+        rows += len(batch["row_index"])
         tokens += int(batch["num_tokens"])  # counted on the host copy: no device sync
         batch = to_device(batch, device)
         # Under DDP, gradients are all-reduced once per window, on its last micro-batch only.
         last = index == len(window) - 1
         no_sync = model.no_sync() if isinstance(model, DistributedDataParallel) and not last else nullcontext()
         with no_sync, meter.measure() if meter is not None else nullcontext():  # type: ignore[attr-defined]
-            total += backward_micro_batch(model, batch, rows_in_window, precision, device, scaler)
+            total += backward_micro_batch(model, batch, units_in_window, precision, device, scaler, task)
     return total, (rows, tokens, wait)
 
 

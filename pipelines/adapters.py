@@ -1,0 +1,104 @@
+"""LoRA adapters through peft, and saving/loading a fine-tuned model with or without them.
+
+A LoRA run saves the adapter alone (a few MB) plus what is needed to rebuild its base: a
+reference to a pretrained base (`base.json`: the resolved folder or hub id, revision and GGUF
+file), or, for a base built from `model.config` (random weights no hub holds), the base's own
+weights in `base/`. With `adapter.merge: true` the merged, full-size model is saved instead.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from pipelines.errors import UserError
+from pipelines.params import AdapterParams, Params
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from pipelines.tasks.base import Task
+
+ADAPTER_CONFIG = "adapter_config.json"
+BASE_DIR = "base"
+BASE_REF = "base.json"
+
+
+def apply_adapter(model: PreTrainedModel, adapter: AdapterParams, task: Task) -> nn.Module:
+    """Wrap `model` in LoRA adapters (the base frozen), or return it as it is with `adapter.type: none`.
+
+    peft adds the task's head (a classifier's `classifier`/`score`) to the trained modules, so a
+    LoRA classifier still learns its new output layer.
+    """
+    if adapter.type == "none":
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        task_type=task.peft_task_type,
+        r=adapter.r,
+        lora_alpha=adapter.alpha,
+        lora_dropout=adapter.dropout,
+        target_modules=adapter.target_modules,
+    )
+    try:
+        return get_peft_model(model, config)
+    except ValueError as err:
+        raise UserError(
+            f"adapter.target_modules = {adapter.target_modules!r}: {str(err).splitlines()[0]} "
+            f"(module names of this model: e.g. {_linear_names(model)[:8]})"
+        ) from None
+
+
+def _linear_names(model: nn.Module) -> list[str]:
+    from torch import nn
+
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+
+
+def is_adapter(model: nn.Module) -> bool:
+    """Whether `model` carries peft adapters."""
+    return hasattr(model, "peft_config")
+
+
+def save_base_reference(params: Params, root: Path, out: Path) -> None:
+    """Record the pretrained base an adapter needs (the resolved local folder or hub id, revision, GGUF file)."""
+    from pipelines.model import resolve_model_name
+
+    assert params.model.name_or_path is not None
+    name = resolve_model_name(params.model, root)
+    base = params.model.model_copy(update={"name_or_path": name})
+    (out / BASE_REF).write_text(json.dumps(base.model_dump(mode="json"), indent=2, sort_keys=True) + "\n")
+
+
+def save_trained(model: nn.Module, out: Path, params: Params) -> nn.Module:
+    """Save `model` for evaluation and deployment; returns what was saved (the merged model with merge: true).
+
+    Gradient checkpointing is switched off first, so the saved config does not turn it on at load.
+    """
+    if params.grad_checkpointing and hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    if is_adapter(model) and params.adapter.merge:
+        model = model.merge_and_unload()  # type: ignore[operator]
+    model.save_pretrained(out, safe_serialization=True)  # type: ignore[operator]
+    return model
+
+
+def load_trained_model(folder: Path, params: Params, task: Task, tokenizer: PreTrainedTokenizerBase) -> nn.Module:
+    """Load a model folder written by `save_trained`: a full model, or an adapter on its base."""
+    if not (folder / ADAPTER_CONFIG).is_file():
+        return task.load_model(folder, params.model)
+    from peft import PeftModel
+
+    if (folder / BASE_DIR).is_dir():
+        base = task.load_model(folder / BASE_DIR, params.model)
+    elif (folder / BASE_REF).is_file():
+        reference = json.loads((folder / BASE_REF).read_text(encoding="utf-8"))
+        base_params = params.model_copy(update={"model": params.model.model_validate(reference)})
+        base = task.build_model(base_params, tokenizer, folder, folder)
+    else:
+        raise UserError(f"{folder}: an adapter without its base ({BASE_DIR}/ or {BASE_REF}); re-run the train stage")
+    return PeftModel.from_pretrained(base, str(folder))

@@ -1,0 +1,149 @@
+"""The task interface: everything the pipeline does differently for a classifier and a language model.
+
+The engine, the stages and the tuning driver call these methods and never ask which task
+they hold. A task says how source rows become token ids (and what the loss learns), which
+model class to build or load, the loss of a batch as (sum, count), so that accumulation can
+normalize over a whole window, and how a split is scored during and after training.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+
+from pipelines.params import DataParams, ModelParams, Params
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from pipelines.data.batching import PadCollator
+    from pipelines.data.tokenization import TokenizedSplit
+    from pipelines.train.device import ResolvedPrecision
+
+
+@dataclass
+class TestResult:
+    """A test split's scalar metrics, one prediction row per test row (in row order), and DVC plot rows."""
+
+    metrics: dict[str, float]
+    predictions: pd.DataFrame
+    plots: dict[str, list[dict[str, object]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A split after tokenization, and how many of its rows were cut at data.max_length."""
+
+    split: TokenizedSplit
+    truncated: int
+
+
+class Task(ABC):
+    """One kind of fine-tune. Subclasses are stateless; `pipelines.tasks.get_task` returns them by name."""
+
+    name: str
+    # The peft task type of LoRA adapters on this task's models (see pipelines.adapters).
+    peft_task_type: str
+
+    # ---- data: source rows -> token ids -------------------------------------------------
+    @abstractmethod
+    def generate(self, data: DataParams) -> pd.DataFrame:
+        """The built-in, offline, deterministic corpus (`data.source: generator`) in this task's source columns."""
+
+    @abstractmethod
+    def normalize_table(self, table: pd.DataFrame, data: DataParams, where: str) -> pd.DataFrame:
+        """Check one split's columns and rows (errors name `where`); return the task's canonical columns."""
+
+    @abstractmethod
+    def tokenizer_corpus(self, train: pd.DataFrame) -> list[str]:
+        """The training texts a word-level tokenizer is built from when no pretrained model is named."""
+
+    @abstractmethod
+    def train_tokenizer(self, train: pd.DataFrame, vocab_size: int) -> PreTrainedTokenizerBase:
+        """A tokenizer built from the training split (used with a model built from model.config)."""
+
+    def write_metadata(self, train: pd.DataFrame, out_dir: Path) -> dict[str, float]:
+        """Files the model needs beside the tokenizer (a classifier's label names); returns stats for metrics.
+
+        Written before any split is encoded, into the folder `encode` then reads as `meta_dir`.
+        """
+        return {}
+
+    @abstractmethod
+    def encode(
+        self, tokenizer: PreTrainedTokenizerBase, table: pd.DataFrame, params: Params, meta_dir: Path
+    ) -> Encoded:
+        """Token ids of every row of a normalized split, truncated to data.max_length."""
+
+    # ---- model ----------------------------------------------------------------------------
+    @abstractmethod
+    def build_model(
+        self, params: Params, tokenizer: PreTrainedTokenizerBase, meta_dir: Path, root: Path
+    ) -> PreTrainedModel:
+        """The model to fine-tune: from model.config (offline) or pretrained by name, folder or GGUF file."""
+
+    @abstractmethod
+    def load_model(self, folder: Path, model: ModelParams) -> PreTrainedModel:
+        """A full (not adapter) model folder written by `save_pretrained`."""
+
+    # ---- batches and loss -----------------------------------------------------------------
+    @abstractmethod
+    def collator(
+        self,
+        split: TokenizedSplit,
+        pad_id: int,
+        *,
+        fixed_length: int | None,
+        pad_to_multiple_of: int | None,
+        params: Params,
+    ) -> PadCollator:
+        """Rows -> a padded batch with this task's `labels`."""
+
+    @abstractmethod
+    def loss_units(self, split: TokenizedSplit, params: Params) -> np.ndarray:
+        """Per row, how many terms it adds to the loss (1 per row, or its target tokens).
+
+        Known before any forward pass, so a window's loss can be divided by the window's total
+        from its first micro-batch on: k accumulated micro-batches then equal one big batch.
+        """
+
+    @abstractmethod
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of the batch's loss terms in fp32, number of terms) for a batch on the model's device."""
+
+    @abstractmethod
+    def probe_labels(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Labels of the right shape for a synthetic batch (memory probes: memory depends on shape, not values)."""
+
+    # ---- scoring --------------------------------------------------------------------------
+    @abstractmethod
+    def validation_metrics(
+        self,
+        model: nn.Module,
+        split: TokenizedSplit,
+        params: Params,
+        pad_id: int,
+        device: torch.device,
+        precision: ResolvedPrecision,
+    ) -> dict[str, float]:
+        """Cheap metrics at every epoch's end (`val_loss` and the task's own), teacher-forced."""
+
+    @abstractmethod
+    def evaluate(
+        self,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        split: TokenizedSplit,
+        meta_dir: Path,
+        params: Params,
+        device: torch.device,
+        precision: ResolvedPrecision,
+    ) -> TestResult:
+        """The test split's metrics (with 95% intervals), predictions in row order, and plot rows."""

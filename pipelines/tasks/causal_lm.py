@@ -1,0 +1,241 @@
+"""Causal-LM fine-tuning: instruction (prompt → response), chat, or plain text, on a decoder.
+
+A row is its prompt's tokens then its response's tokens and an end-of-sequence token. The loss
+is next-token cross-entropy over the *target* tokens only: the response's (and the prompt's
+too with `train_on_prompt`), never padding. Their count per row is known from the lengths
+alone, so a window's loss is the mean over all its target tokens, whatever its micro-batches.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from pipelines.data.batching import PadCollator
+from pipelines.data.sources import DataError, check_columns
+from pipelines.data.synthetic import generate_instructions
+from pipelines.data.tokenization import TokenizedSplit, train_causal_word_tokenizer
+from pipelines.errors import UserError
+from pipelines.params import DataParams, ModelParams, Params
+from pipelines.tasks.base import Encoded, Task, TestResult
+from pipelines.train.device import ResolvedPrecision
+
+IGNORE = -100  # label of a position the loss skips (prompt, padding): torch's ignore_index
+
+
+def source_columns(data: DataParams) -> dict[str, str]:
+    """Which source columns a causal-LM row comes from: a chat, a prompt/response pair, or one text."""
+    if data.messages_column is not None:
+        return {"messages": data.messages_column}
+    if data.prompt_column is not None and data.response_column is not None:
+        return {"prompt": data.prompt_column, "response": data.response_column}
+    assert isinstance(data.text_column, str)  # the schema refuses a list for causal_lm
+    return {"response": data.text_column}
+
+
+class CausalLmCollator(PadCollator):
+    """Pads rows on the right; `labels` are the token ids with prompt (unless trained on) and padding masked."""
+
+    def __init__(self, split: TokenizedSplit, pad_id: int, *, train_on_prompt: bool, **kwargs: int | None):
+        super().__init__(split, pad_id, **kwargs)  # type: ignore[arg-type]
+        assert split.prompt_lengths is not None, "a causal-LM split has prompt lengths"
+        self.prompt_lengths = split.prompt_lengths
+        self.train_on_prompt = train_on_prompt
+
+    def __call__(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        batch = super().__call__(indices)
+        idx = np.asarray(indices)
+        positions = torch.arange(batch["input_ids"].shape[1])[None, :]
+        target = batch["attention_mask"].bool()
+        if not self.train_on_prompt:
+            target &= positions >= torch.from_numpy(self.prompt_lengths[idx].astype(np.int64))[:, None]
+        batch["labels"] = torch.where(target, batch["input_ids"], IGNORE)
+        return batch
+
+
+def target_counts(lengths: np.ndarray, prompt_lengths: np.ndarray, train_on_prompt: bool) -> np.ndarray:
+    """Target tokens per row: positions 1..L-1 (the first token has nothing before it), after the prompt if masked."""
+    first = np.ones_like(lengths) if train_on_prompt else np.maximum(prompt_lengths, 1)
+    return np.maximum(lengths.astype(np.int64) - first, 0)
+
+
+def _keeps_logits(model: nn.Module) -> bool:
+    """Whether the (unwrapped) model's forward takes `logits_to_keep` (most transformers decoders do)."""
+    inner = getattr(model, "module", model)  # DDP
+    inner = getattr(inner, "_orig_mod", inner)  # torch.compile
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft
+    return "logits_to_keep" in inspect.signature(inner.forward).parameters
+
+
+def next_token_loss(
+    model: nn.Module, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(summed fp32 cross-entropy over target tokens, their count, how many the argmax got right).
+
+    The vocabulary projection runs only at positions whose next token is a target
+    (`logits_to_keep` with a boolean mask): with the prompt masked that skips most of a row's
+    (rows x length x vocab) logits, the largest tensor of a small model's step. Models without
+    that argument get full logits, and the same loss.
+    """
+    labels = batch["labels"]
+    keep = torch.zeros_like(labels, dtype=torch.bool)
+    keep[:, :-1] = labels[:, 1:] != IGNORE
+    targets = labels[:, 1:][keep[:, :-1]]
+    if _keeps_logits(model):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=keep).logits
+        logits = logits.reshape(-1, logits.shape[-1])
+    else:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[keep]
+    logits = logits.float()  # fp32 log-softmax even under autocast
+    total = F.cross_entropy(logits, targets, reduction="sum")
+    correct = (logits.detach().argmax(-1) == targets).sum()
+    return total, torch.tensor(len(targets), device=total.device), correct
+
+
+class CausalLmTask(Task):
+    """Instruction, chat or plain-text fine-tuning of a decoder (LlamaForCausalLM from a config offline)."""
+
+    name = "causal_lm"
+    peft_task_type = "CAUSAL_LM"
+
+    def generate(self, data: DataParams) -> pd.DataFrame:
+        return generate_instructions(data.generator)
+
+    def normalize_table(self, table: pd.DataFrame, data: DataParams, where: str) -> pd.DataFrame:
+        columns = source_columns(data)
+        check_columns(table, list(columns.values()), where)
+        out = pd.DataFrame({field: table[column].tolist() for field, column in columns.items()})
+        if "messages" not in out:
+            out["prompt"] = out["prompt"].astype(str) if "prompt" in out else ""
+            out["response"] = out["response"].astype(str)
+            empty = (out["response"].str.strip() == "").to_numpy()
+            if empty.any():
+                raise DataError(f"{where}: row {int(empty.nonzero()[0][0])} has an empty {columns['response']!r}")
+        return out
+
+    def tokenizer_corpus(self, train: pd.DataFrame) -> list[str]:
+        if "messages" in train:
+            raise UserError(
+                "data.messages_column needs a tokenizer with a chat template: name a pretrained model "
+                "(model.name_or_path), or use data.prompt_column/response_column with a model built from model.config"
+            )
+        return (train["prompt"] + train["response"]).tolist()
+
+    def train_tokenizer(self, train: pd.DataFrame, vocab_size: int) -> PreTrainedTokenizerBase:
+        return train_causal_word_tokenizer(self.tokenizer_corpus(train), vocab_size)
+
+    def encode(
+        self, tokenizer: PreTrainedTokenizerBase, table: pd.DataFrame, params: Params, meta_dir: Path
+    ) -> Encoded:
+        from pipelines.tasks.chat import render_chats
+
+        prompts, responses = (
+            render_chats(tokenizer, table["messages"].tolist())
+            if "messages" in table
+            else (table["prompt"].tolist(), table["response"].tolist())
+        )
+        # Encoded apart, as generation will see them: the prompt alone, then the model's answer.
+        prompt_ids = tokenizer(prompts, add_special_tokens=True)["input_ids"]
+        response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
+        eos = tokenizer.eos_token_id
+        limit = params.data.max_length
+        rows, prompt_lengths, truncated = [], [], 0
+        for prompt, response in zip(prompt_ids, response_ids, strict=True):
+            ids = prompt + response + ([eos] if not response or response[-1] != eos else [])
+            truncated += len(ids) > limit
+            rows.append(ids[:limit])  # cut at the end, as TRL does: long prompts can lose their answer
+            prompt_lengths.append(min(len(prompt), limit))
+        lengths = np.fromiter((len(r) for r in rows), dtype=np.int32, count=len(rows))
+        flat = np.fromiter((t for r in rows for t in r), dtype=np.int32, count=int(lengths.sum()))
+        split = TokenizedSplit(flat, lengths, prompt_lengths=np.asarray(prompt_lengths, dtype=np.int32))
+        return Encoded(split, truncated)
+
+    def build_model(
+        self, params: Params, tokenizer: PreTrainedTokenizerBase, meta_dir: Path, root: Path
+    ) -> PreTrainedModel:
+        if params.model.name_or_path is None:
+            cfg = params.model.config
+            config = LlamaConfig(
+                vocab_size=len(tokenizer),
+                hidden_size=cfg.hidden_size,
+                intermediate_size=cfg.intermediate_size,
+                num_hidden_layers=cfg.num_hidden_layers,
+                num_attention_heads=cfg.num_attention_heads,
+                num_key_value_heads=cfg.num_attention_heads,
+                max_position_embeddings=max(512, params.data.max_length + params.eval.max_new_tokens),
+                attention_dropout=cfg.dropout,
+                tie_word_embeddings=True,
+                pad_token_id=tokenizer.pad_token_id,
+                bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+            return LlamaForCausalLM(config)
+        from pipelines.model import load_pretrained
+
+        return load_pretrained(AutoModelForCausalLM, params.model, root)
+
+    def load_model(self, folder: Path, model: ModelParams) -> PreTrainedModel:
+        return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+
+    def collator(
+        self,
+        split: TokenizedSplit,
+        pad_id: int,
+        *,
+        fixed_length: int | None,
+        pad_to_multiple_of: int | None,
+        params: Params,
+    ) -> PadCollator:
+        return CausalLmCollator(
+            split,
+            pad_id,
+            train_on_prompt=params.train_on_prompt,
+            fixed_length=fixed_length,
+            pad_to_multiple_of=pad_to_multiple_of,
+        )
+
+    def loss_units(self, split: TokenizedSplit, params: Params) -> np.ndarray:
+        assert split.prompt_lengths is not None
+        return target_counts(split.lengths, split.prompt_lengths, params.train_on_prompt)
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        total, count, _ = next_token_loss(model, batch)
+        return total, count
+
+    def probe_labels(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return input_ids.clone()
+
+    def validation_metrics(
+        self,
+        model: nn.Module,
+        split: TokenizedSplit,
+        params: Params,
+        pad_id: int,
+        device: torch.device,
+        precision: ResolvedPrecision,
+    ) -> dict[str, float]:
+        from pipelines.tasks.generation import teacher_forced
+
+        loss, accuracy = teacher_forced(model, split, params, pad_id, device, precision)
+        return {"val_loss": loss, "val_token_accuracy": accuracy}
+
+    def evaluate(
+        self,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        split: TokenizedSplit,
+        meta_dir: Path,
+        params: Params,
+        device: torch.device,
+        precision: ResolvedPrecision,
+    ) -> TestResult:
+        from pipelines.tasks.generation import score_generation
+
+        return score_generation(model, tokenizer, split, params, device, precision)

@@ -1,0 +1,136 @@
+"""Sequence classification: a label per row, cross-entropy per row, accuracy and macro-F1."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from pipelines.data.batching import PadCollator
+from pipelines.data.sources import normalize_table
+from pipelines.data.synthetic import generate_corpus
+from pipelines.data.tokenization import (
+    LABELS_FILE,
+    TokenizedSplit,
+    encode_texts,
+    join_texts,
+    label_names,
+    load_label_names,
+    train_word_tokenizer,
+)
+from pipelines.params import DataParams, ModelParams, Params
+from pipelines.tasks.base import Encoded, Task, TestResult
+from pipelines.train import steps
+from pipelines.train.device import ResolvedPrecision
+
+
+class ClassificationTask(Task):
+    """A label per row; the encoder's [CLS] logits against it."""
+
+    name = "classification"
+    peft_task_type = "SEQ_CLS"
+
+    def generate(self, data: DataParams) -> pd.DataFrame:
+        return generate_corpus(data.generator)
+
+    def normalize_table(self, table: pd.DataFrame, data: DataParams, where: str) -> pd.DataFrame:
+        return normalize_table(table, data, where)
+
+    def tokenizer_corpus(self, train: pd.DataFrame) -> list[str]:
+        return join_texts(train["texts"].tolist(), "[SEP]")
+
+    def train_tokenizer(self, train: pd.DataFrame, vocab_size: int) -> PreTrainedTokenizerBase:
+        return train_word_tokenizer(self.tokenizer_corpus(train), vocab_size)
+
+    def encode(
+        self, tokenizer: PreTrainedTokenizerBase, table: pd.DataFrame, params: Params, meta_dir: Path
+    ) -> Encoded:
+        # Label ids index the sorted names write_metadata saved, which every split shares.
+        names = load_label_names(meta_dir)
+        texts = join_texts(table["texts"].tolist(), tokenizer.sep_token or "[SEP]")
+        ids, lengths, truncated = encode_texts(tokenizer, texts, params.data.max_length)
+        labels = table["label"].map({name: i for i, name in enumerate(names)}).to_numpy(dtype=np.int64)
+        return Encoded(TokenizedSplit(ids, lengths, labels), truncated)
+
+    def write_metadata(self, train: pd.DataFrame, out_dir: Path) -> dict[str, float]:
+        names = label_names(train["label"])
+        (out_dir / LABELS_FILE).write_text(json.dumps({"names": names}, indent=2) + "\n", encoding="utf-8")
+        return {"num_labels": len(names)}
+
+    def build_model(
+        self, params: Params, tokenizer: PreTrainedTokenizerBase, meta_dir: Path, root: Path
+    ) -> PreTrainedModel:
+        from pipelines.model import build_model
+
+        return build_model(params.model, load_label_names(meta_dir), len(tokenizer), params.data.max_length, root)
+
+    def load_model(self, folder: Path, model: ModelParams) -> PreTrainedModel:
+        from pipelines.model import load_trained
+
+        return load_trained(folder)
+
+    def collator(
+        self,
+        split: TokenizedSplit,
+        pad_id: int,
+        *,
+        fixed_length: int | None,
+        pad_to_multiple_of: int | None,
+        params: Params,
+    ) -> PadCollator:
+        return PadCollator(split, pad_id, fixed_length=fixed_length, pad_to_multiple_of=pad_to_multiple_of)
+
+    def loss_units(self, split: TokenizedSplit, params: Params) -> np.ndarray:
+        return np.ones(len(split), dtype=np.int64)
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        # Looked up on the module at call time: tests substitute steps.forward_logits for wrapped models.
+        logits = steps.forward_logits(model, batch)
+        # Cross-entropy in fp32 even under autocast: a bf16 log-softmax loses the small differences.
+        total = F.cross_entropy(logits.float(), batch["labels"], reduction="sum")
+        return total, torch.tensor(len(batch["labels"]), device=total.device)
+
+    def probe_labels(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(len(input_ids), dtype=torch.long, device=input_ids.device)
+
+    def validation_metrics(
+        self,
+        model: nn.Module,
+        split: TokenizedSplit,
+        params: Params,
+        pad_id: int,
+        device: torch.device,
+        precision: ResolvedPrecision,
+    ) -> dict[str, float]:
+        from pipelines.train.validation import predict_logits
+
+        logits, loss = predict_logits(model, split, params, pad_id, device, precision)
+        return {"val_loss": loss, "val_accuracy": float((logits.argmax(1) == split.labels).mean())}
+
+    def evaluate(
+        self,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        split: TokenizedSplit,
+        meta_dir: Path,
+        params: Params,
+        device: torch.device,
+        precision: ResolvedPrecision,
+    ) -> TestResult:
+        from pipelines.evaluation import confusion_rows, evaluate_model, per_class_rows
+
+        names = load_label_names(meta_dir)
+        result = evaluate_model(
+            model, split, names, params, pad_id=tokenizer.pad_token_id, device=device, precision=precision
+        )
+        plots = {
+            "confusion": confusion_rows(result.confusion, names),
+            "per_class": per_class_rows(result.metrics, names),
+        }
+        return TestResult(result.metrics, result.predictions, plots)

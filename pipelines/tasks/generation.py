@@ -1,0 +1,144 @@
+"""Scoring a causal LM: teacher-forced loss and token accuracy, and greedy generation's exact match.
+
+Generation is batched and length-bucketed like training: prompts are sorted by length, cut
+into batches and left-padded (a decoder continues from the last position, so padding goes
+first), and every answer is bounded by `eval.max_new_tokens`. Predictions go back to the
+split's row order.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from pipelines.data.tokenization import TokenizedSplit
+from pipelines.noise import wilson_interval
+from pipelines.params import Params
+from pipelines.tasks.base import TestResult
+from pipelines.train.device import ResolvedPrecision, autocast_context
+from pipelines.train.validation import eval_batch_rows, eval_batches
+
+
+@torch.inference_mode()
+def teacher_forced(
+    model: nn.Module,
+    split: TokenizedSplit,
+    params: Params,
+    pad_id: int,
+    device: torch.device,
+    precision: ResolvedPrecision,
+) -> tuple[float, float]:
+    """(mean next-token loss over the split's target tokens, share of them the argmax predicts)."""
+    from pipelines.tasks.causal_lm import next_token_loss
+
+    total = torch.zeros((), device=device, dtype=torch.float64)
+    count = correct = torch.zeros((), device=device, dtype=torch.long)
+    was_training = model.training
+    model.eval()
+    for batch in eval_batches(model, split, params, pad_id, device):
+        with autocast_context(precision, device):
+            loss, n, right = next_token_loss(model, batch)
+        total, count, correct = total + loss.double(), count + n, correct + right
+    model.train(was_training)
+    n_targets = max(int(count), 1)
+    return float(total) / n_targets, int(correct) / n_targets
+
+
+def _row_tokens(split: TokenizedSplit, row: int) -> tuple[np.ndarray, np.ndarray]:
+    assert split.prompt_lengths is not None
+    start, length, prompt = int(split.offsets[row]), int(split.lengths[row]), int(split.prompt_lengths[row])
+    ids = np.asarray(split.input_ids[start : start + length], dtype=np.int64)
+    return ids[:prompt], ids[prompt:]
+
+
+def _answer(tokenizer: PreTrainedTokenizerBase, ids: list[int] | np.ndarray) -> str:
+    """Text of an answer's tokens up to its first end-of-sequence token."""
+    ids = list(ids)
+    if tokenizer.eos_token_id in ids:
+        ids = ids[: ids.index(tokenizer.eos_token_id)]
+    return tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+@torch.inference_mode()
+def generate_answers(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[np.ndarray],
+    params: Params,
+    device: torch.device,
+    precision: ResolvedPrecision,
+) -> list[str]:
+    """Greedy answers to `prompts` (token ids), in their order: length-bucketed, left-padded batches."""
+    was_training = model.training
+    model.eval()
+    pad_id = tokenizer.pad_token_id
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    rows = eval_batch_rows(params)
+    answers = [""] * len(prompts)
+    for start in range(0, len(order), rows):
+        batch = order[start : start + rows]
+        width = max(len(prompts[i]) for i in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, i in enumerate(batch):
+            ids[row, width - len(prompts[i]) :] = torch.from_numpy(prompts[i])
+            mask[row, width - len(prompts[i]) :] = 1
+        with autocast_context(precision, device):
+            out = model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=params.eval.max_new_tokens,
+                do_sample=False,
+                num_beams=1,
+                pad_token_id=pad_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+        for row, i in enumerate(batch):
+            answers[i] = _answer(tokenizer, out[row, width:].tolist())
+    model.train(was_training)
+    return answers
+
+
+def score_generation(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    split: TokenizedSplit,
+    params: Params,
+    device: torch.device,
+    precision: ResolvedPrecision,
+) -> TestResult:
+    """Loss, perplexity and token accuracy (teacher-forced), and exact match of greedy answers with its interval."""
+    model.to(device)
+    start = time.perf_counter()
+    loss, token_accuracy = teacher_forced(model, split, params, tokenizer.pad_token_id, device, precision)
+    pairs = [_row_tokens(split, row) for row in range(len(split))]
+    generated = generate_answers(model, tokenizer, [prompt for prompt, _ in pairs], params, device, precision)
+    references = [_answer(tokenizer, response) for _, response in pairs]
+    exact = np.array([g == r for g, r in zip(generated, references, strict=True)])
+    low, high = wilson_interval(int(exact.sum()), len(exact))
+    metrics = {
+        "test_loss": loss,
+        "test_perplexity": math.exp(min(loss, 700.0)),
+        "test_token_accuracy": token_accuracy,
+        "test_exact_match": float(exact.mean()) if len(exact) else 0.0,
+        "test_exact_match_ci_low": low,
+        "test_exact_match_ci_high": high,
+        "test_rows": float(len(split)),
+        "eval_samples_per_s": len(split) / (time.perf_counter() - start),
+    }
+    predictions = pd.DataFrame(
+        {
+            "row_id": np.arange(len(split)),
+            "prompt": [tokenizer.decode(prompt, skip_special_tokens=True) for prompt, _ in pairs],
+            "reference": references,
+            "generated": generated,
+            "exact_match": exact.astype(int),
+        }
+    )
+    return TestResult(metrics, predictions)
