@@ -38,7 +38,8 @@ class Column:
     interval: bool = False  # the metric has `<metric>_ci_low` / `_ci_high` (a 95% interval)
 
 
-COLUMNS = (
+# Time and memory: the same for every task.
+SPEED_MEMORY_COLUMNS = (
     Column("Train time", "train_time_s", " s", relative=True, noise="repeats"),
     Column("Wall time", "wall_time_s", " s"),
     Column("Samples/s", "samples_per_s", digits=0),
@@ -47,10 +48,44 @@ COLUMNS = (
     Column("Optimizer state", "optimizer_state_bytes", " MB", scale=1 / MB, digits=2, relative=True, noise="exact"),
     Column("Activations", "peak_activation_bytes", " MB", scale=1 / MB, digits=2, relative=True, noise="exact"),
     Column("Peak RSS", "peak_rss_bytes", " MB", scale=1 / MB, digits=0),
-    Column("Accuracy", "test_accuracy", "", scale=100, digits=2, noise="binomial", interval=True),
-    Column("Macro-F1", "test_macro_f1", "", scale=100, digits=2, interval=True),
 )
+# Quality follows the task; each task's first quality column is its headline (the Δ column's).
+QUALITY_COLUMNS = {
+    "classification": (
+        Column("Accuracy", "test_accuracy", "", scale=100, digits=2, noise="binomial", interval=True),
+        Column("Macro-F1", "test_macro_f1", "", scale=100, digits=2, interval=True),
+    ),
+    "causal_lm": (
+        Column("Exact match", "test_exact_match", "", scale=100, digits=2, noise="binomial", interval=True),
+        Column("Token accuracy", "test_token_accuracy", "", scale=100, digits=2),
+        Column("Perplexity", "test_perplexity", "", digits=2),
+        Column(
+            "Trainable params", "trainable_param_bytes", " MB", scale=1 / MB, digits=2, relative=True, noise="exact"
+        ),
+    ),
+}
+# Shown when a trial froze parameters (LoRA): gradients and optimizer state exist for the trainable ones only.
+TRAINABLE_COLUMN = Column(
+    "Trainable params", "trainable_param_bytes", " MB", scale=1 / MB, digits=2, relative=True, noise="exact"
+)
+COLUMNS = SPEED_MEMORY_COLUMNS + QUALITY_COLUMNS["classification"]
 DELTA_HEADER = "Δ accuracy vs baseline"
+
+
+def task_of_rows(rows: list[TrialRow]) -> str:
+    """The task the trials ran (their `task` tag; runs from before tasks existed are classifiers)."""
+    return next((r.tags["task"] for r in rows if r.tags.get("task") in QUALITY_COLUMNS), "classification")
+
+
+def columns_for(task: str, rows: list[TrialRow] | None = None) -> tuple[Column, ...]:
+    """The report's columns for `task`: time and memory (trainable parameters when a trial froze some), quality."""
+    frozen = any(r.metrics.get("frozen_param_bytes", 0.0) > 0 for r in rows or [])
+    return SPEED_MEMORY_COLUMNS + ((TRAINABLE_COLUMN,) if frozen else ()) + QUALITY_COLUMNS[task]
+
+
+def delta_header(task: str) -> str:
+    """Header of the column that gives the headline quality's difference to the baseline."""
+    return f"Δ {QUALITY_COLUMNS[task][0].header.lower()} vs baseline"
 
 
 def format_metric(value: float, column: Column) -> str:
@@ -154,12 +189,14 @@ def _value_cell(column: Column, group: VariantGroup) -> str:
 def comparison_table(rows: list[TrialRow]) -> list[list[str]]:
     """Header plus one row per variant; relative columns also show % of the baseline (first group)."""
     groups = group_rows(rows)
-    header = ["Trial"] + [c.header for c in COLUMNS] + [DELTA_HEADER]
+    task = task_of_rows(rows)
+    columns = columns_for(task, rows)
+    header = ["Trial"] + [c.header for c in columns] + [delta_header(task)]
     table = [header]
     baseline = groups[0] if groups else None
     for group in groups:
         cells = [group.name]
-        for column in COLUMNS:
+        for column in columns:
             if not group.values(column.metric):
                 cells.append("–")
                 continue
@@ -169,13 +206,12 @@ def comparison_table(rows: list[TrialRow]) -> list[list[str]]:
                 mark = noise_mark(column, group, baseline) if group is not baseline else ""  # type: ignore[arg-type]
                 cell += f" ({format_relative(group.mean(column.metric) or 0.0, base)}{mark})"
             cells.append(cell)
-        cells.append(_delta_cell(group, baseline))
+        cells.append(_delta_cell(group, baseline, QUALITY_COLUMNS[task][0]))
         table.append(cells)
     return table
 
 
-def _delta_cell(group: VariantGroup, baseline: VariantGroup | None) -> str:
-    accuracy = next(c for c in COLUMNS if c.metric == "test_accuracy")
+def _delta_cell(group: VariantGroup, baseline: VariantGroup | None, accuracy: Column) -> str:
     mine = group.mean(accuracy.metric)
     theirs = baseline.mean(accuracy.metric) if baseline else None
     if baseline is None or group is baseline or mine is None or theirs is None:
@@ -190,7 +226,7 @@ LEGEND = (
     "the peak of torch's allocations in a training step (PyTorch's MemTracker; activations recomputed under "
     "checkpointing included); Activations are their own high point in that step. Peak RSS (the whole process, "
     "libraries included) is secondary. "
-    "Accuracy and macro-F1 carry 95% intervals over the test rows (Wilson; bootstrap). "
+    "Accuracy and exact match carry 95% Wilson intervals over the test rows, macro-F1 a bootstrap one. "
     "Repeated variants show mean ± sd over seeds. `*`: the difference to the baseline exceeds the noise "
     "(1.96 standard errors: of the seeds' spread when repeated, of the test rows for accuracy, zero for exact byte "
     "counts); 'within noise': it does not."

@@ -24,11 +24,13 @@ from pipelines.comparison import (  # noqa: E402
     COLUMNS,
     LEGEND,
     MB,
+    QUALITY_COLUMNS,
     TrialRow,
     comparison_table,
     format_metric,
     format_relative,
     load_rows,
+    task_of_rows,
     unknown_noise_note,
 )
 
@@ -43,13 +45,14 @@ def markdown_table(table: list[list[str]]) -> str:
 
 
 def plot_comparison(rows: list[TrialRow], path: Path) -> None:
-    """Bars of train time, peak memory and accuracy per trial, side by side."""
+    """Bars of train time, peak memory and the task's headline quality per trial, side by side."""
+    quality = QUALITY_COLUMNS[task_of_rows(rows)][0]
     finished = [r for r in rows if r.status == "FINISHED"]
     names = [r.name for r in finished]
     panels = (
         ("Train time (s)", "train_time_s", 1.0),
         ("Peak train memory (MB)", "peak_train_memory_bytes", 1 / MB),
-        ("Test accuracy (%)", "test_accuracy", 100.0),
+        (f"Test {quality.header.lower()} (%)", quality.metric, 100.0),
     )
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 0.6 * len(names) + 2.2))
     colors = plt.cm.tab10.colors
@@ -76,7 +79,7 @@ def plot_loss_curves(client: MlflowClient, rows: list[TrialRow], path: Path) -> 
         if history:
             ax.plot([m.step for m in history], [m.value for m in history], label=row.name, linewidth=1.4)
     ax.set_xlabel("Optimizer step")
-    ax.set_ylabel("Training loss (mean per row)")
+    ax.set_ylabel("Training loss (mean per row, or per target token)")
     ax.set_title("Training loss per trial")
     ax.grid(alpha=0.3)
     ax.legend(title="Trial")
@@ -87,10 +90,11 @@ def plot_loss_curves(client: MlflowClient, rows: list[TrialRow], path: Path) -> 
 
 def plot_tradeoff(rows: list[TrialRow], path: Path) -> None:
     """Train time against accuracy, bubble size by peak memory, with the Pareto front (faster and better) marked."""
-    finished = [r for r in rows if r.status == "FINISHED" and "test_accuracy" in r.metrics]
+    quality = QUALITY_COLUMNS[task_of_rows(rows)][0]
+    finished = [r for r in rows if r.status == "FINISHED" and quality.metric in r.metrics]
     fig, ax = plt.subplots(figsize=(7, 4.6))
     times = [r.metrics.get("train_time_s", 0.0) for r in finished]
-    accuracy = [100 * r.metrics["test_accuracy"] for r in finished]
+    accuracy = [100 * r.metrics[quality.metric] for r in finished]
     memory = [r.metrics.get("peak_train_memory_bytes", 0.0) / MB for r in finished]
     largest = max(memory, default=1.0) or 1.0
     colors = plt.cm.tab10.colors
@@ -109,8 +113,8 @@ def plot_tradeoff(rows: list[TrialRow], path: Path) -> None:
     if len(front) > 1:
         ax.plot([times[i] for i in front], [accuracy[i] for i in front], "k--", linewidth=1, label="Pareto front")
     ax.set_xlabel("Train time (s)")
-    ax.set_ylabel("Test accuracy (%)")
-    ax.set_title("Time vs accuracy (bubble area: peak train memory)")
+    ax.set_ylabel(f"Test {quality.header.lower()} (%)")
+    ax.set_title(f"Time vs {quality.header.lower()} (bubble area: peak train memory)")
     ax.grid(alpha=0.3)
     ax.margins(0.15)
     legend = ax.legend(fontsize=8, loc="best")

@@ -195,13 +195,15 @@ class PadCollator:
         for row, (start, length) in enumerate(zip(self.offsets[idx], lengths, strict=True)):
             ids[row, :length] = self.input_ids[start : start + length]
         mask = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
-        return {
+        batch = {
             "input_ids": torch.from_numpy(ids),
             "attention_mask": torch.from_numpy(mask),
-            "labels": torch.from_numpy(self.labels[idx].astype(np.int64)),
             "row_index": torch.from_numpy(idx.astype(np.int64)),
             "num_tokens": torch.tensor(int(lengths.sum())),
         }
+        if self.labels is not None:  # a classifier's label per row (a language model's labels are its tokens)
+            batch["labels"] = torch.from_numpy(self.labels[idx].astype(np.int64))
+        return batch
 
 
 def padding_fraction(lengths: np.ndarray, batches: list[list[int]], width_of: Callable[[int], int]) -> float:
