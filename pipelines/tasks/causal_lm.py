@@ -40,6 +40,16 @@ def source_columns(data: DataParams) -> dict[str, str]:
     return {"response": data.text_column}
 
 
+def mask_labels(
+    tokens: torch.Tensor, attention_mask: torch.Tensor, prompt_lengths: torch.Tensor, train_on_prompt: bool
+) -> torch.Tensor:
+    """Labels from label tokens (the input ids): padding, and the prompt unless trained on, set to IGNORE."""
+    target = attention_mask.bool()
+    if not train_on_prompt:
+        target &= torch.arange(tokens.shape[1])[None, :] >= prompt_lengths[:, None]
+    return torch.where(target, tokens, IGNORE)
+
+
 class CausalLmCollator(PadCollator):
     """Pads rows on the right; `labels` are the token ids with prompt (unless trained on) and padding masked."""
 
@@ -51,12 +61,8 @@ class CausalLmCollator(PadCollator):
 
     def __call__(self, indices: list[int]) -> dict[str, torch.Tensor]:
         batch = super().__call__(indices)
-        idx = np.asarray(indices)
-        positions = torch.arange(batch["input_ids"].shape[1])[None, :]
-        target = batch["attention_mask"].bool()
-        if not self.train_on_prompt:
-            target &= positions >= torch.from_numpy(self.prompt_lengths[idx].astype(np.int64))[:, None]
-        batch["labels"] = torch.where(target, batch["input_ids"], IGNORE)
+        prompts = torch.from_numpy(self.prompt_lengths[np.asarray(indices)].astype(np.int64))
+        batch["labels"] = mask_labels(batch["input_ids"], batch["attention_mask"], prompts, self.train_on_prompt)
         return batch
 
 

@@ -124,6 +124,32 @@ class _ResetPerMicroBatch:
         self.tracker.reset_mod_stats()  # type: ignore[attr-defined]
 
 
+class _NoHook:
+    """Stands in for a gradient hook's handle where none can be registered (a frozen parameter)."""
+
+    def remove(self) -> None:
+        pass
+
+
+def _frozen_aware_tracker() -> object:
+    """torch's MemTracker, except that frozen parameters (LoRA's base) get no gradient hook.
+
+    MemTracker hooks every parameter's gradient, and `register_hook` raises on a tensor that
+    requires none (torch 2.13). A frozen parameter has no gradient to watch, so it is marked as
+    hooked with a no-op handle; its bytes are still counted as parameters.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class FrozenAwareMemTracker(MemTracker):
+        def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):  # type: ignore[override]
+            for param in module.parameters():
+                if not param.requires_grad and param not in self._param_to_grad_hook_handles:
+                    self._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    return FrozenAwareMemTracker()
+
+
 def track_training_peak(
     model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, run_step: Callable[[object], None]
 ) -> MemoryAtPeak:
@@ -134,10 +160,8 @@ def track_training_peak(
     tracked because the tracker, a Python dispatch mode, slows the step it watches several times.
     The caller restores the weights afterwards. Hand-written glue only: the counting is torch's own.
     """
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     run_step(None)
-    tracker = MemTracker()
+    tracker = _frozen_aware_tracker()
     tracker.track_external(model, optimizer)
     # The tracker keeps the snapshot at the total's peak only; the activations' own high point can come
     # earlier (under checkpointing and accumulation the total peaks in the optimizer step, activations
