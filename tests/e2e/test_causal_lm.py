@@ -1,0 +1,62 @@
+"""Causal-LM instruction tuning end to end: `dvc exp run -S task=causal_lm`, full and LoRA, in MLflow and the report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import run, write_params
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+
+def test_causal_lm_experiment_runs_offline_with_lora_and_reports_generation_quality(project_copy: Path):
+    root = project_copy
+    write_params(root, {"tune.variants": {"full": {}, "lora": {"adapter.type": "lora", "lr": 0.003}}})
+    run(["git", "commit", "-qam", "full and lora variants"], root)
+
+    run(["dvc", "exp", "run", "-S", "task=causal_lm"], root, timeout=900)
+
+    tokenize = json.loads((root / "metrics/tokenize.json").read_text())
+    assert tokenize["train"]["truncated_fraction"] == 0.0  # the generator's rows fit data.max_length
+    evaluate = json.loads((root / "metrics/evaluate.json").read_text())
+    for name in ("test_loss", "test_perplexity", "test_token_accuracy", "test_exact_match"):
+        assert name in evaluate, evaluate
+    assert evaluate["test_exact_match_ci_low"] <= evaluate["test_exact_match"] <= evaluate["test_exact_match_ci_high"]
+    assert 0.5 < evaluate["test_token_accuracy"] and 0.05 < evaluate["test_exact_match"]  # it learns the rules
+
+    predictions = pd.read_csv(root / "predictions/test.csv", keep_default_na=False)
+    assert list(predictions.columns) == ["row_id", "prompt", "reference", "generated", "exact_match"]
+    assert predictions["row_id"].tolist() == list(range(len(predictions)))  # in row order
+    assert predictions["exact_match"].mean() == pytest.approx(evaluate["test_exact_match"])
+    assert json.loads((root / "plots/confusion.json").read_text()) == []  # no classes to confuse
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("finetune")
+    trials = {
+        r.data.tags["variant"]: r
+        for r in client.search_runs([experiment.experiment_id])
+        if "mlflow.parentRunId" in r.data.tags and r.info.status == "FINISHED"
+    }
+    assert set(trials) == {"full", "lora"}
+    for trial in trials.values():
+        assert trial.data.tags["task"] == "causal_lm" and trial.data.params["task"] == "causal_lm"
+        for name in ("test_exact_match", "test_perplexity", "val_loss", "val_token_accuracy", "tokens_per_s"):
+            assert name in trial.data.metrics, name
+    full, lora = trials["full"].data.metrics, trials["lora"].data.metrics
+    assert full["frozen_param_bytes"] == 0 and lora["frozen_param_bytes"] > 10 * lora["trainable_param_bytes"]
+    assert lora["optimizer_state_bytes"] == 2 * lora["trainable_param_bytes"] < full["optimizer_state_bytes"] / 10
+    best = json.loads((root / "metrics/train.json").read_text())
+    assert client.get_run(best["mlflow_run_id"]).data.metrics["test_exact_match"] == evaluate["test_exact_match"]
+    if best["variant"] == "lora":
+        assert (root / "models/best/adapter_config.json").is_file() and (root / "models/best/base").is_dir()
+
+    report = (root / "reports/report.md").read_text()
+    header = next(line for line in report.splitlines() if line.startswith("| Trial"))
+    for column in ("Exact match", "Token accuracy", "Perplexity", "Trainable params", "Δ exact match vs baseline"):
+        assert column in header, header
+    assert "Accuracy" not in header and "| full |" in report and "| lora |" in report
