@@ -63,7 +63,7 @@ def load_pretrained(auto_class: Any, model: ModelParams, root: Path, **kwargs: A
     to fp32 weights, yet transformers leaves the model flagged as quantized (`hf_quantizer`,
     `config.quantization_config`): the Hugging Face Trainer then refuses to train it and
     `save_pretrained` writes the flag into the saved config. The weights are plain fp32
-    tensors, so both flags are cleared here.
+    tensors, so the flags are cleared here.
     """
     name = resolve_model_name(model, root)
     try:
@@ -81,10 +81,14 @@ def load_pretrained(auto_class: Any, model: ModelParams, root: Path, **kwargs: A
             + (f" (gguf_file {model.gguf_file!r})" if model.gguf_file else "")
             + f": cannot load a model from a local folder or the hub ({str(err).splitlines()[0]})"
         ) from None
-    if model.gguf_file is not None:
-        loaded.hf_quantizer = None
-        if hasattr(loaded.config, "quantization_config"):
-            del loaded.config.quantization_config
+    quantizer = getattr(loaded, "hf_quantizer", None)
+    if model.gguf_file is not None and quantizer is not None:
+        # The quantizer's own clean-up (its `dequantize` path): hf_quantizer, quantization_config,
+        # is_quantized; plus the per-config flag it set on every sub-model.
+        quantizer.remove_quantization_config(loaded)
+        for module in loaded.modules():
+            if isinstance(module, PreTrainedModel):
+                module.config._is_quantized = False
     return loaded
 
 

@@ -202,3 +202,40 @@ def test_tf32_and_padding_resolve_per_device(default_params):
     assert resolve_tf32(tiny_params(default_params, tf32=True), "fp32", cuda) is True
     assert resolve_pad_multiple(default_params, cuda) == 8 and resolve_pad_multiple(default_params, cpu) is None
     assert resolve_pad_multiple(tiny_params(default_params, **{"data.pad_to_multiple_of": 16}), cpu) == 16
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"data.response_column": None}, ["data.prompt_column and data.response_column together", "'prompt'"]),
+        ({"data.text_column": ["a", "b"]}, ["one data.text_column"]),
+        ({"model.gguf_file": "x.gguf"}, ["model.gguf_file", "model.name_or_path"]),
+        ({"adapter.type": "qlora"}, ["adapter.type = 'qlora'", "'lora'"]),
+    ],
+)
+def test_causal_lm_data_and_model_rules_name_their_keys(default_params, changes, expected):
+    with pytest.raises(ParamsError) as err:
+        tiny_params(default_params, task="causal_lm", **changes)
+    for text in expected:
+        assert text in str(err.value), str(err.value)
+
+
+def test_task_and_remote_code_cannot_vary_per_trial(default_params):
+    for key in ("task", "model.trust_remote_code", "model.gguf_file", "data.prompt_column"):
+        with pytest.raises(ParamsError, match="which the tokenize stage reads"):
+            tiny_params(default_params, **{"tune.variants": {"x": {key: None}}})
+
+
+def test_auto_objective_follows_the_task(default_params):
+    from pipelines.params import tune_objective
+
+    assert tune_objective(default_params) == ("val_accuracy", "max")
+    assert tune_objective(tiny_params(default_params, task="causal_lm")) == ("val_loss", "min")
+    assert tune_objective(tiny_params(default_params, **{"tune.metric": "val_token_accuracy"})) == (
+        "val_token_accuracy",
+        "max",
+    )
+    assert tune_objective(tiny_params(default_params, **{"tune.metric": "val_loss", "tune.mode": "max"})) == (
+        "val_loss",
+        "max",
+    )
