@@ -52,7 +52,9 @@ def lm_split(rows: int = 12, seed: int = 0) -> TokenizedSplit:
     rng = np.random.default_rng(seed)
     prompts = rng.integers(3, 15, size=rows)
     responses = rng.integers(2, 8, size=rows)
-    ids = [np.concatenate([rng.integers(10, 120, size=p + r - 1), [3]]) for p, r in zip(prompts, responses, strict=True)]
+    ids = [
+        np.concatenate([rng.integers(10, 120, size=p + r - 1), [3]]) for p, r in zip(prompts, responses, strict=True)
+    ]
     lengths = (prompts + responses).astype(np.int32)
     return TokenizedSplit(np.concatenate(ids).astype(np.int32), lengths, prompt_lengths=prompts.astype(np.int32))
 
