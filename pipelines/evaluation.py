@@ -16,7 +16,7 @@ from sklearn.metrics import confusion_matrix, f1_score, precision_recall_fscore_
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.noise import bootstrap_macro_f1_interval, wilson_interval
 from pipelines.params import Params
-from pipelines.tasks.base import TestResult
+from pipelines.tasks.base import EvaluationResult
 from pipelines.train.device import ResolvedPrecision
 from pipelines.train.validation import predict_logits
 
@@ -92,7 +92,7 @@ def evaluate_model(
     return result
 
 
-def evaluate_saved_model(model_dir: Path, tokenized_dir: Path) -> TestResult:
+def evaluate_saved_model(model_dir: Path, tokenized_dir: Path) -> EvaluationResult:
     """Evaluate a model folder written by a trial on the test split, with the params (and task) it was trained with."""
     from transformers import AutoTokenizer
 

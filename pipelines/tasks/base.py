@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class TestResult:
+class EvaluationResult:
     """A test split's scalar metrics, one prediction row per test row (in row order), and DVC plot rows."""
 
     metrics: dict[str, float]
@@ -145,5 +145,5 @@ class Task(ABC):
         params: Params,
         device: torch.device,
         precision: ResolvedPrecision,
-    ) -> TestResult:
+    ) -> EvaluationResult:
         """The test split's metrics (with 95% intervals), predictions in row order, and plot rows."""

@@ -24,7 +24,7 @@ from pipelines.data.synthetic import generate_instructions
 from pipelines.data.tokenization import TokenizedSplit, train_causal_word_tokenizer
 from pipelines.errors import UserError
 from pipelines.params import DataParams, ModelParams, Params
-from pipelines.tasks.base import Encoded, Task, TestResult
+from pipelines.tasks.base import Encoded, EvaluationResult, Task
 from pipelines.train.device import ResolvedPrecision
 
 IGNORE = -100  # label of a position the loss skips (prompt, padding): torch's ignore_index
@@ -241,7 +241,7 @@ class CausalLmTask(Task):
         params: Params,
         device: torch.device,
         precision: ResolvedPrecision,
-    ) -> TestResult:
+    ) -> EvaluationResult:
         from pipelines.tasks.generation import score_generation
 
         return score_generation(model, tokenizer, split, params, device, precision)

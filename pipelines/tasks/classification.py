@@ -25,7 +25,7 @@ from pipelines.data.tokenization import (
     train_word_tokenizer,
 )
 from pipelines.params import DataParams, ModelParams, Params
-from pipelines.tasks.base import Encoded, Task, TestResult
+from pipelines.tasks.base import Encoded, EvaluationResult, Task
 from pipelines.train import steps
 from pipelines.train.device import ResolvedPrecision
 
@@ -122,7 +122,7 @@ class ClassificationTask(Task):
         params: Params,
         device: torch.device,
         precision: ResolvedPrecision,
-    ) -> TestResult:
+    ) -> EvaluationResult:
         from pipelines.evaluation import confusion_rows, evaluate_model, per_class_rows
 
         names = load_label_names(meta_dir)
@@ -133,4 +133,4 @@ class ClassificationTask(Task):
             "confusion": confusion_rows(result.confusion, names),
             "per_class": per_class_rows(result.metrics, names),
         }
-        return TestResult(result.metrics, result.predictions, plots)
+        return EvaluationResult(result.metrics, result.predictions, plots)

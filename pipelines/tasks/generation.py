@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.noise import wilson_interval
 from pipelines.params import Params
-from pipelines.tasks.base import TestResult
+from pipelines.tasks.base import EvaluationResult
 from pipelines.train.device import ResolvedPrecision, autocast_context
 from pipelines.train.validation import eval_batch_rows, eval_batches
 
@@ -112,7 +112,7 @@ def score_generation(
     params: Params,
     device: torch.device,
     precision: ResolvedPrecision,
-) -> TestResult:
+) -> EvaluationResult:
     """Loss, perplexity and token accuracy (teacher-forced), and exact match of greedy answers with its interval."""
     model.to(device)
     start = time.perf_counter()
@@ -141,4 +141,4 @@ def score_generation(
             "exact_match": exact.astype(int),
         }
     )
-    return TestResult(metrics, predictions)
+    return EvaluationResult(metrics, predictions)
