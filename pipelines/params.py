@@ -32,7 +32,7 @@ from pydantic_core import PydanticCustomError
 
 from pipelines.errors import UserError
 
-Optimizer = Literal["adamw", "adafactor", "adamw_8bit", "sgd"]
+Optimizer = Literal["adamw", "adafactor", "adamw_8bit", "lion", "sgd"]
 Precision = Literal["fp32", "fp16", "bf16", "auto"]
 LrSchedule = Literal["constant", "linear", "cosine", "onecycle", "cyclic", "reduce_on_plateau"]
 DeviceName = Literal["auto", "cpu", "cuda"]
@@ -374,7 +374,10 @@ class Params(StrictModel):
     train_on_prompt: bool = Field(
         description="causal_lm: also learn the prompt's tokens (false: only the response's tokens count in the loss)."
     )
-    optim: Optimizer = Field(description="Optimizer.")
+    optim: Optimizer = Field(
+        description="Optimizer: adamw (two moments per parameter), adafactor (factored second moment), adamw_8bit "
+        "(bitsandbytes, CUDA), lion (one moment: half of AdamW's state; use a 3-10x lower lr), sgd (momentum)."
+    )
     precision: Precision = Field(description="fp32, fp16 (autocast + loss scaling), bf16 (autocast), or auto.")
     batch_size: BatchSize = Field(
         description="Rows per micro-batch, or `auto`: the largest divisor of effective_batch_size that fits in memory."

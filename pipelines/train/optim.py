@@ -44,6 +44,11 @@ def build_optimizer(
         except ImportError:
             raise UserError("optim = 'adamw_8bit' needs bitsandbytes: pip install bitsandbytes") from None
         return bnb.optim.AdamW8bit(groups, lr=lr)
+    if name == "lion":
+        from lion_pytorch import Lion
+
+        # One moment per parameter (the update is its sign): half of AdamW's optimizer state.
+        return Lion(groups, lr=lr)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=0.9)
     raise UserError(f"optim = {name!r} is not known")
