@@ -27,15 +27,48 @@ BASE_DIR = "base"
 BASE_REF = "base.json"
 
 
-def apply_adapter(model: PreTrainedModel, adapter: AdapterParams, task: Task) -> nn.Module:
+def quantize_4bit(model: PreTrainedModel, params: Params) -> PreTrainedModel:
+    """QLoRA's base: `model` reloaded with its linear weights in 4-bit NF4 (bitsandbytes, CUDA only).
+
+    Reloaded from a temporary save of the fp32 model, so a base built from a config or
+    de-quantized from GGUF is quantized the same way as a hub model. Double quantization
+    (the quantization constants quantized too) as in the QLoRA paper; compute in bf16 unless
+    the run is fp16. peft's `prepare_model_for_kbit_training` then keeps norms and the head in fp32.
+    """
+    import tempfile
+
+    import torch
+    from peft import prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig
+
+    compute = torch.float16 if params.precision == "fp16" else torch.bfloat16
+    config = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        quantized = type(model).from_pretrained(
+            tmp, quantization_config=config, dtype=torch.float32, device_map={"": torch.cuda.current_device()}
+        )
+    return prepare_model_for_kbit_training(quantized, use_gradient_checkpointing=params.grad_checkpointing)
+
+
+def apply_adapter(
+    model: PreTrainedModel, adapter: AdapterParams, task: Task, params: Params | None = None
+) -> nn.Module:
     """Wrap `model` in LoRA adapters (the base frozen), or return it as it is with `adapter.type: none`.
 
     peft adds the task's head (a classifier's `classifier`/`score`) to the trained modules, so a
-    LoRA classifier still learns its new output layer.
+    LoRA classifier still learns its new output layer. With `qlora` (needs `params`), the base is
+    first quantized to 4-bit (`quantize_4bit`).
     """
     if adapter.type == "none":
         return model
     from peft import LoraConfig, get_peft_model
+
+    if adapter.type == "qlora":
+        assert params is not None, "qlora quantizes with the run's precision"
+        model = quantize_4bit(model, params)
 
     config = LoraConfig(
         task_type=task.peft_task_type,
@@ -101,4 +134,6 @@ def load_trained_model(folder: Path, params: Params, task: Task, tokenizer: PreT
         base = task.build_model(base_params, tokenizer, folder, folder)
     else:
         raise UserError(f"{folder}: an adapter without its base ({BASE_DIR}/ or {BASE_REF}); re-run the train stage")
+    if params.adapter.type == "qlora":
+        base = quantize_4bit(base, params)  # evaluated on the 4-bit base it was trained on
     return PeftModel.from_pretrained(base, str(folder))

@@ -37,7 +37,7 @@ Precision = Literal["fp32", "fp16", "bf16", "auto"]
 LrSchedule = Literal["constant", "linear", "cosine", "onecycle", "cyclic", "reduce_on_plateau"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 TaskName = Literal["classification", "causal_lm"]
-AdapterType = Literal["none", "lora"]
+AdapterType = Literal["none", "lora", "qlora"]
 
 GENERATOR_SOURCE = "generator"
 
@@ -185,7 +185,10 @@ class ModelParams(StrictModel):
 class AdapterParams(StrictModel):
     """Parameter-efficient fine-tuning (peft): train small adapters, freeze the base model."""
 
-    type: AdapterType = Field(description="none: full fine-tuning; lora: low-rank adapters (peft's LoRA).")
+    type: AdapterType = Field(
+        description="none: full fine-tuning; lora: low-rank adapters (peft's LoRA); qlora: LoRA on a base quantized "
+        "to 4-bit NF4 (bitsandbytes, CUDA only)."
+    )
     r: PositiveInt = Field(description="LoRA rank.")
     alpha: PositiveFloat = Field(description="LoRA scaling numerator (the update is scaled by alpha / r).")
     dropout: float = Field(ge=0.0, lt=1.0, description="Dropout on the LoRA branch's input.")
@@ -447,6 +450,16 @@ class Params(StrictModel):
             )
         if self.batch_size == "auto" and self.data.max_tokens_per_batch is not None:
             raise ValueError("batch_size: auto and data.max_tokens_per_batch both size batches; choose one")
+        if self.adapter.type == "qlora" and self.device == "cpu":
+            raise ValueError(
+                "adapter.type = 'qlora' needs CUDA: its base model is quantized to 4-bit NF4 by bitsandbytes, whose "
+                "4-bit kernels run on GPUs only; with device: cpu use adapter.type: lora"
+            )
+        if self.adapter.type == "qlora" and self.adapter.merge:
+            raise ValueError(
+                "adapter.merge: true with adapter.type: qlora would merge into a 4-bit base (rounding the update "
+                "away); save the adapter (adapter.merge: false), or merge into an fp32 base after training"
+            )
         if self.optim == "adamw_8bit" and self.device == "cpu":
             raise ValueError("optim: adamw_8bit runs on CUDA only (bitsandbytes); device: cpu cannot use it")
         if self.precision == "fp16" and self.device == "cpu":

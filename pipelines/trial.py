@@ -193,7 +193,7 @@ def train_and_save(
             model.save_pretrained(out / BASE_DIR, safe_serialization=True)
         else:
             save_base_reference(params, Path(context.root), out)
-    model = apply_adapter(model, params.adapter, task)
+    model = apply_adapter(model, params.adapter, task, params)
     if rank:
         torch.manual_seed(params.seed + rank)  # own dropout masks per rank
     train = TokenizedSplit.load(tokenized / "train")

@@ -55,6 +55,17 @@ def check_runtime(params: Params) -> None:
             raise UserError("optim = 'adamw_8bit' needs CUDA (bitsandbytes); allowed here: adamw, adafactor, sgd")
         if importlib.util.find_spec("bitsandbytes") is None:
             raise UserError("optim = 'adamw_8bit' needs the bitsandbytes package: pip install bitsandbytes")
+    if params.adapter.type == "qlora":
+        if device.type != "cuda":
+            raise UserError(QLORA_NEEDS_CUDA + "; device: auto found no GPU here")
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise UserError("adapter.type = 'qlora' needs the bitsandbytes package: pip install bitsandbytes")
+
+
+QLORA_NEEDS_CUDA = (
+    "adapter.type = 'qlora' needs CUDA: its base model is quantized to 4-bit NF4 by bitsandbytes, whose 4-bit "
+    "kernels run on GPUs only; on a CPU use adapter.type: lora"
+)
 
 
 def gpus_for_every_worker(params: Params) -> bool:

@@ -239,3 +239,19 @@ def test_auto_objective_follows_the_task(default_params):
         "val_loss",
         "max",
     )
+
+
+def test_qlora_is_refused_without_cuda_with_a_clear_message(default_params):
+    from pipelines.errors import UserError
+    from pipelines.train.device import check_runtime
+
+    with pytest.raises(ParamsError, match="adapter.type = 'qlora' needs CUDA.*use adapter.type: lora"):
+        tiny_params(default_params, device="cpu", **{"adapter.type": "qlora"})
+    with pytest.raises(ParamsError, match="adapter.merge: true with adapter.type: qlora"):
+        tiny_params(default_params, **{"adapter.type": "qlora", "adapter.merge": True})
+    auto = tiny_params(default_params, device="auto", **{"adapter.type": "qlora"})  # valid: CUDA may be there
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="needs CUDA.*found no GPU here"):
+            check_runtime(auto)
