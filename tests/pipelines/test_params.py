@@ -210,7 +210,7 @@ def test_tf32_and_padding_resolve_per_device(default_params):
         ({"data.response_column": None}, ["data.prompt_column and data.response_column together", "'prompt'"]),
         ({"data.text_column": ["a", "b"]}, ["one data.text_column"]),
         ({"model.gguf_file": "x.gguf"}, ["model.gguf_file", "model.name_or_path"]),
-        ({"adapter.type": "qlora"}, ["adapter.type = 'qlora'", "'lora'"]),
+        ({"adapter.type": "dora"}, ["adapter.type = 'dora'", "'qlora'"]),
     ],
 )
 def test_causal_lm_data_and_model_rules_name_their_keys(default_params, changes, expected):
