@@ -59,9 +59,12 @@ QUALITY_COLUMNS = {
         Column("Exact match", "test_exact_match", "", scale=100, digits=2, noise="binomial", interval=True),
         Column("Token accuracy", "test_token_accuracy", "", scale=100, digits=2),
         Column("Perplexity", "test_perplexity", "", digits=2),
-        Column(
-            "Trainable params", "trainable_param_bytes", " MB", scale=1 / MB, digits=2, relative=True, noise="exact"
-        ),
+    ),
+    "seq2seq": (
+        Column("BLEU", "test_bleu", "", digits=2),
+        Column("chrF", "test_chrf", "", digits=2),
+        Column("Exact match", "test_exact_match", "", scale=100, digits=2, noise="binomial", interval=True),
+        Column("Perplexity", "test_perplexity", "", digits=2),
     ),
 }
 # Shown when a trial froze parameters (LoRA): gradients and optimizer state exist for the trainable ones only.
@@ -85,7 +88,8 @@ def columns_for(task: str, rows: list[TrialRow] | None = None) -> tuple[Column, 
 
 def delta_header(task: str) -> str:
     """Header of the column that gives the headline quality's difference to the baseline."""
-    return f"Δ {QUALITY_COLUMNS[task][0].header.lower()} vs baseline"
+    header = QUALITY_COLUMNS[task][0].header
+    return f"Δ {header if header.isupper() else header.lower()} vs baseline"
 
 
 def format_metric(value: float, column: Column) -> str:

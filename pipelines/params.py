@@ -36,7 +36,7 @@ Optimizer = Literal["adamw", "adafactor", "adamw_8bit", "lion", "sgd"]
 Precision = Literal["fp32", "fp16", "bf16", "auto"]
 LrSchedule = Literal["constant", "linear", "cosine", "onecycle", "cyclic", "reduce_on_plateau"]
 DeviceName = Literal["auto", "cpu", "cuda"]
-TaskName = Literal["classification", "causal_lm"]
+TaskName = Literal["classification", "causal_lm", "seq2seq"]
 AdapterType = Literal["none", "lora", "qlora"]
 
 GENERATOR_SOURCE = "generator"
@@ -88,6 +88,8 @@ class DataParams(StrictModel):
         "with response_column. null: no prompt/response pair."
     )
     response_column: str | None = Field(description="causal_lm: the answer column the model learns to write.")
+    source_column: str = Field(description="seq2seq: the input text column (what the encoder reads).")
+    target_column: str = Field(description="seq2seq: the output text column (what the decoder learns to write).")
     messages_column: str | None = Field(
         description="causal_lm: a chat column (a list of {role, content}); rendered with the tokenizer's chat "
         "template, the last assistant message is the response. Takes precedence over prompt/response."
@@ -203,8 +205,9 @@ class EvalParams(StrictModel):
     """How the test split is scored."""
 
     max_new_tokens: PositiveInt = Field(
-        le=1024, description="causal_lm: the most tokens greedy generation writes per row (exact match)."
+        le=1024, description="causal_lm and seq2seq: the most tokens generation writes per row."
     )
+    num_beams: PositiveInt = Field(le=16, description="seq2seq: beam size of generation (1: greedy).")
 
 
 class ChoiceDim(StrictModel):
@@ -282,6 +285,8 @@ TOKENIZE_STAGE_KEYS = (
     "data.prompt_column",
     "data.response_column",
     "data.messages_column",
+    "data.source_column",
+    "data.target_column",
     "data.csv_columns",
     "data.max_length",
     "data.val_fraction",
@@ -340,7 +345,7 @@ class TuneParams(StrictModel):
     max_concurrent_trials: PositiveInt = Field(description="Trials running at the same time.")
     metric: str = Field(
         description="Trial metric that picks the best trial (and that ASHA compares); auto: the task's own "
-        "(classification: val_accuracy, causal_lm: val_loss)."
+        "(classification: val_accuracy, causal_lm and seq2seq: val_loss)."
     )
     mode: Literal["max", "min", "auto"] = Field(
         description="Whether the metric is maximised or minimised; auto: as the task's metric wants (with "
@@ -371,8 +376,8 @@ class Params(StrictModel):
     """Everything a pipeline run reads: training knobs at the top, one section per concern."""
 
     task: TaskName = Field(
-        description="classification (a label per row) or causal_lm (instruction or plain language-model "
-        "fine-tuning of a decoder)."
+        description="classification (a label per row), causal_lm (instruction or plain language-model "
+        "fine-tuning of a decoder) or seq2seq (an encoder-decoder, e.g. T5: source text -> target text)."
     )
     train_on_prompt: bool = Field(
         description="causal_lm: also learn the prompt's tokens (false: only the response's tokens count in the loss)."
@@ -628,6 +633,7 @@ def resolve_repo_root(params_path: str | os.PathLike[str] = "params.yaml") -> Pa
 TASK_OBJECTIVES: dict[str, tuple[str, Literal["max", "min"]]] = {
     "classification": ("val_accuracy", "max"),
     "causal_lm": ("val_loss", "min"),
+    "seq2seq": ("val_loss", "min"),
 }
 _LOWER_IS_BETTER = ("loss", "perplexity", "time", "bytes")
 

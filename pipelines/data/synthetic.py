@@ -131,3 +131,32 @@ def generate_instructions(settings: GeneratorParams) -> pd.DataFrame:
             "instruction": [INSTRUCTIONS[k][0] for k in kinds],
         }
     )
+
+
+_SOURCE_WORDS = 100
+_TRANSLATION_MAX_WORDS = 12
+
+
+def generate_translations(settings: GeneratorParams) -> pd.DataFrame:
+    """A made-up language and its "translation" by a fixed rule: `source` and `target` columns.
+
+    Every source word has one target word (a fixed bijection between two invented vocabularies,
+    Zipf-distributed), and the target swaps each pair of neighbouring words (a b c d e -> B A D C E):
+    a word mapping plus a reordering, deterministic, so BLEU and exact match measure how much of the
+    rule a model learnt. `num_classes` and `label_noise` are not used.
+    """
+    rng = np.random.default_rng(_CORPUS_SEED + 2)
+    taken: set[str] = set()
+    source_words = _invent_words(rng, _SOURCE_WORDS, taken)
+    target_words = _invent_words(rng, _SOURCE_WORDS, taken)
+    translate = dict(zip(source_words, target_words, strict=True))
+    weights = _zipf_weights(_SOURCE_WORDS)
+    sources, targets = [], []
+    for _ in range(settings.num_rows):
+        words = rng.choice(source_words, size=int(rng.integers(3, _TRANSLATION_MAX_WORDS + 1)), p=weights).tolist()
+        mapped = [translate[w] for w in words]
+        for i in range(0, len(mapped) - 1, 2):
+            mapped[i], mapped[i + 1] = mapped[i + 1], mapped[i]
+        sources.append(" ".join(words))
+        targets.append(" ".join(mapped))
+    return pd.DataFrame({"source": sources, "target": targets})

@@ -18,4 +18,8 @@ def get_task(name: str) -> Task:
         from pipelines.tasks.causal_lm import CausalLmTask
 
         return CausalLmTask()
-    raise ValueError(f"task = {name!r} is not known; choose classification or causal_lm")
+    if name == "seq2seq":
+        from pipelines.tasks.seq2seq import Seq2SeqTask
+
+        return Seq2SeqTask()
+    raise ValueError(f"task = {name!r} is not known; choose classification, causal_lm or seq2seq")

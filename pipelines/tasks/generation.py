@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pandas as pd
@@ -24,6 +25,9 @@ from pipelines.tasks.base import EvaluationResult
 from pipelines.train.device import ResolvedPrecision, autocast_context
 from pipelines.train.validation import eval_batch_rows, eval_batches
 
+# (model, batch) -> (summed fp32 loss over target tokens, their count, how many the argmax got right)
+TokenLoss = Callable[[nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
 
 @torch.inference_mode()
 def teacher_forced(
@@ -33,17 +37,19 @@ def teacher_forced(
     pad_id: int,
     device: torch.device,
     precision: ResolvedPrecision,
+    token_loss: TokenLoss | None = None,
 ) -> tuple[float, float]:
-    """(mean next-token loss over the split's target tokens, share of them the argmax predicts)."""
+    """(mean loss over the split's target tokens, share of them the argmax predicts); default: next-token loss."""
     from pipelines.tasks.causal_lm import next_token_loss
 
+    token_loss = token_loss or next_token_loss
     total = torch.zeros((), device=device, dtype=torch.float64)
     count = correct = torch.zeros((), device=device, dtype=torch.long)
     was_training = model.training
     model.eval()
     for batch in eval_batches(model, split, params, pad_id, device):
         with autocast_context(precision, device):
-            loss, n, right = next_token_loss(model, batch)
+            loss, n, right = token_loss(model, batch)
         total, count, correct = total + loss.double(), count + n, correct + right
     model.train(was_training)
     n_targets = max(int(count), 1)
@@ -57,7 +63,7 @@ def _row_tokens(split: TokenizedSplit, row: int) -> tuple[np.ndarray, np.ndarray
     return ids[:prompt], ids[prompt:]
 
 
-def _answer(tokenizer: PreTrainedTokenizerBase, ids: list[int] | np.ndarray) -> str:
+def answer_text(tokenizer: PreTrainedTokenizerBase, ids: list[int] | np.ndarray) -> str:
     """Text of an answer's tokens up to its first end-of-sequence token."""
     ids = list(ids)
     if tokenizer.eos_token_id in ids:
@@ -100,7 +106,7 @@ def generate_answers(
                 eos_token_id=tokenizer.eos_token_id,
             )
         for row, i in enumerate(batch):
-            answers[i] = _answer(tokenizer, out[row, width:].tolist())
+            answers[i] = answer_text(tokenizer, out[row, width:].tolist())
     model.train(was_training)
     return answers
 
@@ -119,7 +125,7 @@ def score_generation(
     loss, token_accuracy = teacher_forced(model, split, params, tokenizer.pad_token_id, device, precision)
     pairs = [_row_tokens(split, row) for row in range(len(split))]
     generated = generate_answers(model, tokenizer, [prompt for prompt, _ in pairs], params, device, precision)
-    references = [_answer(tokenizer, response) for _, response in pairs]
+    references = [answer_text(tokenizer, response) for _, response in pairs]
     exact = np.array([g == r for g, r in zip(generated, references, strict=True)])
     low, high = wilson_interval(int(exact.sum()), len(exact))
     metrics = {

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator
+from pipelines.data.batching import LengthGroupedBatchSampler
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.params import Params
@@ -110,7 +110,7 @@ def train_model(
     model.to(device)
     # Inductor draws its own fused dropout masks under compile; CUDA's dropout is already fused.
     use_fast_dropout = params.fast_dropout and device.type == "cpu" and not params.compile
-    probe = _probe_inputs(train, pad_id) if use_fast_dropout else None
+    probe = _probe_inputs(train, pad_id, task_of(params, task), params) if use_fast_dropout else None
     with fast_dropout(model, probe, bf16=precision == "bf16") if use_fast_dropout else nullcontext() as use:
         notes = {"fast_dropout": use.describe() if isinstance(use, FastDropoutUse) else "off"}
         result = _train(
@@ -132,12 +132,12 @@ def train_model(
     return result
 
 
-def _probe_inputs(train: TokenizedSplit, pad_id: int) -> dict[str, torch.Tensor]:
-    """A few rows of unequal length (so the batch has padding) for fast_dropout's equality check."""
+def _probe_inputs(train: TokenizedSplit, pad_id: int, task: Task, params: Params) -> dict[str, torch.Tensor]:
+    """A few rows of unequal length (so the batch has padding) for fast_dropout's equality check: the model's inputs."""
     order = train.lengths.argsort()
     picks = sorted({int(order[0]), int(order[len(order) // 2]), int(order[-1])})
-    batch = PadCollator(train, pad_id, fixed_length=None, pad_to_multiple_of=None)(picks)
-    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    batch = task.collator(train, pad_id, fixed_length=None, pad_to_multiple_of=None, params=params)(picks)
+    return {k: v for k, v in batch.items() if k not in ("labels", "row_index", "num_tokens")}
 
 
 def _measure_memory(

@@ -153,3 +153,14 @@ def test_repeated_variants_show_mean_sd_and_mark_differences_beyond_the_noise(tm
     assert rows["slower"]["Train time"] == "91.0 s ± 1.0 (n=3) (149%*)"
     assert rows["same"]["Train time"] == "61.5 s ± 1.0 (n=3) (101%, within noise)"
     assert rows["same"]["Accuracy"] == "81.00 ± 1.00 (n=3)" and rows["same"][DELTA_HEADER] == "+0.00, within noise"
+
+
+def test_quality_columns_follow_the_task_and_trainable_params_show_once():
+    from pipelines.comparison import TrialRow, columns_for, delta_header
+
+    lora = TrialRow("lora", "r", "FINISHED", {"frozen_param_bytes": 1e6, "trainable_param_bytes": 1e4}, {})
+    for task, first in (("classification", "Accuracy"), ("causal_lm", "Exact match"), ("seq2seq", "BLEU")):
+        headers = [c.header for c in columns_for(task, [lora])]
+        assert headers.count("Trainable params") == 1 and first in headers
+        assert "Trainable params" not in [c.header for c in columns_for(task, [])]
+    assert delta_header("seq2seq") == "Δ BLEU vs baseline" and delta_header("causal_lm") == "Δ exact match vs baseline"

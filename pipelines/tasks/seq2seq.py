@@ -1,0 +1,311 @@
+"""Sequence-to-sequence fine-tuning of an encoder-decoder (T5): source text → target text, BLEU and chrF.
+
+A row is stored as its source tokens then its target tokens (`prompt_lengths` holds the source
+length), so splits keep one layout for every task and the length-grouped sampler buckets by
+source + target. The collator splits each row again: the source, right-padded, for the
+encoder; the target as labels, and shifted right behind the decoder's start token as the
+decoder's input. The loss is cross-entropy over the target tokens, and a window's loss is the
+mean over all of its target tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import (
+    AutoModelForSeq2SeqLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    T5Config,
+    T5ForConditionalGeneration,
+)
+
+from pipelines.data.batching import PadCollator, padded_length
+from pipelines.data.sources import DataError, check_columns
+from pipelines.data.synthetic import generate_translations
+from pipelines.data.tokenization import TokenizedSplit, train_causal_word_tokenizer
+from pipelines.noise import wilson_interval
+from pipelines.params import DataParams, ModelParams, Params
+from pipelines.tasks.base import Encoded, EvaluationResult, Task
+from pipelines.tasks.causal_lm import IGNORE
+from pipelines.train.device import ResolvedPrecision, autocast_context
+
+SOURCE, TARGET = "source", "target"
+
+
+class Seq2SeqCollator(PadCollator):
+    """Rows (source then target tokens) → encoder input, decoder input and labels, each padded to its batch."""
+
+    def __init__(self, split: TokenizedSplit, pad_id: int, *, decoder_start_id: int, **kwargs: int | None):
+        super().__init__(split, pad_id, **kwargs)  # type: ignore[arg-type]
+        assert split.prompt_lengths is not None, "a seq2seq split has source lengths"
+        self.source_lengths = split.prompt_lengths
+        self.decoder_start_id = decoder_start_id
+
+    def _width(self, longest: int) -> int:
+        return self.fixed_length or padded_length(longest, self.pad_to_multiple_of)
+
+    def __call__(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        idx = np.asarray(indices)
+        sources = self.source_lengths[idx].astype(np.int64)
+        targets = self.lengths[idx].astype(np.int64) - sources
+        source_ids = np.full((len(idx), self._width(int(sources.max()))), self.pad_id, dtype=np.int64)
+        labels = np.full((len(idx), self._width(max(int(targets.max()), 1))), IGNORE, dtype=np.int64)
+        for row, (start, source, target) in enumerate(zip(self.offsets[idx], sources, targets, strict=True)):
+            tokens = self.input_ids[start : start + source + target]
+            source_ids[row, :source] = tokens[:source]
+            labels[row, :target] = tokens[source:]
+        decoder_input = np.full_like(labels, self.pad_id)
+        decoder_input[:, 0] = self.decoder_start_id
+        decoder_input[:, 1:] = np.where(labels[:, :-1] == IGNORE, self.pad_id, labels[:, :-1])
+        width = source_ids.shape[1]
+        return {
+            "input_ids": torch.from_numpy(source_ids),
+            "attention_mask": torch.from_numpy((np.arange(width)[None, :] < sources[:, None]).astype(np.int64)),
+            "decoder_input_ids": torch.from_numpy(decoder_input),
+            "labels": torch.from_numpy(labels),
+            "row_index": torch.from_numpy(idx.astype(np.int64)),
+            "num_tokens": torch.tensor(int((sources + targets).sum())),
+        }
+
+
+def target_token_loss(
+    model: nn.Module, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(summed fp32 cross-entropy over target tokens, their count, how many the argmax got right)."""
+    decoder_input = batch.get("decoder_input_ids")
+    if decoder_input is None:  # a synthetic batch (memory probes): shifted right as the model itself does
+        decoder_input = getattr(model, "module", model).prepare_decoder_input_ids_from_labels(labels=batch["labels"])
+    logits = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], decoder_input_ids=decoder_input
+    ).logits
+    targets = batch["labels"] != IGNORE
+    picked = logits[targets].float()
+    labels = batch["labels"][targets]
+    total = F.cross_entropy(picked, labels, reduction="sum")
+    correct = (picked.detach().argmax(-1) == labels).sum()
+    return total, targets.sum(), correct
+
+
+def _append_eos(ids: list[int], eos: int) -> list[int]:
+    return ids if ids and ids[-1] == eos else ids + [eos]
+
+
+class Seq2SeqTask(Task):
+    """Source → target with an encoder-decoder (T5ForConditionalGeneration from a config offline)."""
+
+    name = "seq2seq"
+    peft_task_type = "SEQ_2_SEQ_LM"
+
+    def generate(self, data: DataParams) -> pd.DataFrame:
+        return generate_translations(data.generator)
+
+    def normalize_table(self, table: pd.DataFrame, data: DataParams, where: str) -> pd.DataFrame:
+        check_columns(table, [data.source_column, data.target_column], where)
+        out = pd.DataFrame(
+            {SOURCE: table[data.source_column].astype(str).tolist(), TARGET: table[data.target_column].astype(str)}
+        )
+        for field, column in ((SOURCE, data.source_column), (TARGET, data.target_column)):
+            empty = (out[field].str.strip() == "").to_numpy()
+            if empty.any():
+                raise DataError(f"{where}: row {int(empty.nonzero()[0][0])} has an empty {column!r}")
+        return out
+
+    def tokenizer_corpus(self, train: pd.DataFrame) -> list[str]:
+        return (train[SOURCE] + " " + train[TARGET]).tolist()
+
+    def train_tokenizer(self, train: pd.DataFrame, vocab_size: int) -> PreTrainedTokenizerBase:
+        return train_causal_word_tokenizer(self.tokenizer_corpus(train), vocab_size)
+
+    def encode(
+        self, tokenizer: PreTrainedTokenizerBase, table: pd.DataFrame, params: Params, meta_dir: Path
+    ) -> Encoded:
+        limit, eos = params.data.max_length, tokenizer.eos_token_id
+        sources = tokenizer(table[SOURCE].tolist(), add_special_tokens=True)["input_ids"]
+        targets = tokenizer(table[TARGET].tolist(), add_special_tokens=False)["input_ids"]
+        rows, source_lengths, truncated = [], [], 0
+        for source, target in zip(sources, targets, strict=True):
+            source, target = _append_eos(source, eos), _append_eos(target, eos)
+            truncated += len(source) > limit or len(target) > limit
+            # Source and target are cut to max_length each (the end-of-sequence token kept).
+            source = source[: limit - 1] + [eos] if len(source) > limit else source
+            target = target[: limit - 1] + [eos] if len(target) > limit else target
+            rows.append(source + target)
+            source_lengths.append(len(source))
+        lengths = np.fromiter((len(r) for r in rows), dtype=np.int32, count=len(rows))
+        flat = np.fromiter((t for r in rows for t in r), dtype=np.int32, count=int(lengths.sum()))
+        return Encoded(TokenizedSplit(flat, lengths, prompt_lengths=np.asarray(source_lengths, np.int32)), truncated)
+
+    def build_model(
+        self, params: Params, tokenizer: PreTrainedTokenizerBase, meta_dir: Path, root: Path
+    ) -> PreTrainedModel:
+        if params.model.name_or_path is None:
+            cfg = params.model.config
+            config = T5Config(
+                vocab_size=len(tokenizer),
+                d_model=cfg.hidden_size,
+                d_kv=cfg.hidden_size // cfg.num_attention_heads,
+                d_ff=cfg.intermediate_size,
+                num_layers=cfg.num_hidden_layers,
+                num_decoder_layers=cfg.num_hidden_layers,
+                num_heads=cfg.num_attention_heads,
+                dropout_rate=cfg.dropout,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                decoder_start_token_id=tokenizer.pad_token_id,  # T5's convention
+            )
+            return T5ForConditionalGeneration(config)
+        from pipelines.model import load_pretrained
+
+        return load_pretrained(AutoModelForSeq2SeqLM, params.model, root)
+
+    def load_model(self, folder: Path, model: ModelParams) -> PreTrainedModel:
+        return AutoModelForSeq2SeqLM.from_pretrained(str(folder), dtype=torch.float32)
+
+    def collator(
+        self,
+        split: TokenizedSplit,
+        pad_id: int,
+        *,
+        fixed_length: int | None,
+        pad_to_multiple_of: int | None,
+        params: Params,
+    ) -> PadCollator:
+        # T5 starts decoding from its pad token; the collator needs no model to know it.
+        return Seq2SeqCollator(
+            split, pad_id, decoder_start_id=pad_id, fixed_length=fixed_length, pad_to_multiple_of=pad_to_multiple_of
+        )
+
+    def loss_units(self, split: TokenizedSplit, params: Params) -> np.ndarray:
+        assert split.prompt_lengths is not None
+        return (split.lengths - split.prompt_lengths).astype(np.int64)
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        total, count, _ = target_token_loss(model, batch)
+        return total, count
+
+    def probe_labels(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return input_ids.clone()
+
+    def validation_metrics(
+        self,
+        model: nn.Module,
+        split: TokenizedSplit,
+        params: Params,
+        pad_id: int,
+        device: torch.device,
+        precision: ResolvedPrecision,
+    ) -> dict[str, float]:
+        from pipelines.tasks.generation import teacher_forced
+
+        loss, accuracy = teacher_forced(model, split, params, pad_id, device, precision, target_token_loss)
+        return {"val_loss": loss, "val_token_accuracy": accuracy}
+
+    def evaluate(
+        self,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        split: TokenizedSplit,
+        meta_dir: Path,
+        params: Params,
+        device: torch.device,
+        precision: ResolvedPrecision,
+    ) -> EvaluationResult:
+        return score_translation(model, tokenizer, split, params, device, precision)
+
+
+@torch.inference_mode()
+def translate(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    split: TokenizedSplit,
+    params: Params,
+    device: torch.device,
+    precision: ResolvedPrecision,
+) -> list[str]:
+    """Generated targets for every row, in row order: sources sorted by length, batched, beam size eval.num_beams."""
+    from pipelines.tasks.generation import answer_text
+    from pipelines.train.steps import to_device
+    from pipelines.train.validation import eval_batches
+
+    was_training = model.training
+    model.eval()
+    answers = [""] * len(split)
+    for batch in eval_batches(model, split, params, tokenizer.pad_token_id, device):
+        with autocast_context(precision, device):
+            out = model.generate(
+                **to_device({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}, device),
+                max_new_tokens=params.eval.max_new_tokens,
+                num_beams=params.eval.num_beams,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+        for row, index in enumerate(batch["row_index"].tolist()):
+            answers[index] = answer_text(tokenizer, out[row, 1:].tolist())  # after the decoder's start token
+    model.train(was_training)
+    return answers
+
+
+def generation_metrics(generated: list[str], references: list[str]) -> dict[str, float]:
+    """Corpus BLEU and chrF (sacrebleu's defaults: 13a tokenization), and exact match with its 95% Wilson interval."""
+    import sacrebleu
+
+    exact = np.array([g == r for g, r in zip(generated, references, strict=True)])
+    low, high = wilson_interval(int(exact.sum()), len(exact))
+    return {
+        "test_bleu": float(sacrebleu.corpus_bleu(generated, [references]).score),
+        "test_chrf": float(sacrebleu.corpus_chrf(generated, [references]).score),
+        "test_exact_match": float(exact.mean()) if len(exact) else 0.0,
+        "test_exact_match_ci_low": low,
+        "test_exact_match_ci_high": high,
+    }
+
+
+def score_translation(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    split: TokenizedSplit,
+    params: Params,
+    device: torch.device,
+    precision: ResolvedPrecision,
+) -> EvaluationResult:
+    """Loss, perplexity and token accuracy (teacher-forced); BLEU, chrF (sacrebleu) and exact match of generations."""
+    from pipelines.tasks.generation import answer_text, teacher_forced
+
+    model.to(device)
+    start = time.perf_counter()
+    loss, accuracy = teacher_forced(model, split, params, tokenizer.pad_token_id, device, precision, target_token_loss)
+    generated = translate(model, tokenizer, split, params, device, precision)
+    assert split.prompt_lengths is not None
+    rows = [np.asarray(split.input_ids[o : o + n]) for o, n in zip(split.offsets, split.lengths, strict=True)]
+    sources = [
+        tokenizer.decode(r[:p], skip_special_tokens=True) for r, p in zip(rows, split.prompt_lengths, strict=True)
+    ]
+    references = [answer_text(tokenizer, r[p:]) for r, p in zip(rows, split.prompt_lengths, strict=True)]
+    metrics = {
+        "test_loss": loss,
+        "test_perplexity": math.exp(min(loss, 700.0)),
+        "test_token_accuracy": accuracy,
+        **generation_metrics(generated, references),
+        "test_rows": float(len(split)),
+        "eval_samples_per_s": len(split) / (time.perf_counter() - start),
+    }
+    exact = np.array([g == r for g, r in zip(generated, references, strict=True)])
+    predictions = pd.DataFrame(
+        {
+            "row_id": np.arange(len(split)),
+            "source": sources,
+            "reference": references,
+            "generated": generated,
+            "exact_match": exact.astype(int),
+        }
+    )
+    return EvaluationResult(metrics, predictions)
