@@ -52,7 +52,7 @@ def check_runtime(params: Params) -> None:
     _check_worker_gpus(params)
     if params.optim == "adamw_8bit":
         if device.type != "cuda":
-            raise UserError("optim = 'adamw_8bit' needs CUDA (bitsandbytes); allowed here: adamw, adafactor, sgd")
+            raise UserError("optim = 'adamw_8bit' needs CUDA (bitsandbytes); allowed here: adamw, adafactor, lion, sgd")
         if importlib.util.find_spec("bitsandbytes") is None:
             raise UserError("optim = 'adamw_8bit' needs the bitsandbytes package: pip install bitsandbytes")
     if params.adapter.type == "qlora":

@@ -22,7 +22,7 @@ CASES = [
         "train",
         {"optim": "adafator"},
         None,
-        "optim = 'adafator': Input should be 'adamw', 'adafactor', 'adamw_8bit' or 'sgd'",
+        "optim = 'adafator': Input should be 'adamw', 'adafactor', 'adamw_8bit', 'lion' or 'sgd'",
     ),
     (
         "incompatible combination",
