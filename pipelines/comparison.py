@@ -129,7 +129,11 @@ class VariantGroup:
 
 
 def load_rows(client: MlflowClient, experiment_id: str, parent_run_id: str) -> list[TrialRow]:
-    """The child runs of the parent run, baseline first, then in start order."""
+    """The child runs of the parent run: the baseline first, then as `tune.variants` declares them.
+
+    Concurrent trials start and finish in any order, so start order alone would shuffle the table;
+    the `variant_order` tag (set by each trial) fixes it, and start order breaks ties (repeats).
+    """
     rows = [
         TrialRow(
             name=run.data.tags.get("variant", run.info.run_name),
@@ -140,7 +144,7 @@ def load_rows(client: MlflowClient, experiment_id: str, parent_run_id: str) -> l
         )
         for run in child_runs(client, experiment_id, parent_run_id)
     ]
-    rows.sort(key=lambda r: r.name != BASELINE_VARIANT)  # stable: keeps start order otherwise
+    rows.sort(key=lambda r: (r.name != BASELINE_VARIANT, int(r.tags.get("variant_order", 0))))  # stable
     return rows
 
 

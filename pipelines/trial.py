@@ -79,6 +79,9 @@ def trial_overrides(config: dict[str, Any], variants: dict[str, dict[str, Any]])
     return overrides
 
 
+# The run tag holding the variant's position in tune.variants.
+VARIANT_ORDER_TAG = "variant_order"
+
 # The config key of a repeat's index (tune.num_samples > 1 without a search space); its seed is under "seed".
 REPEAT_KEY = "repeat"
 
@@ -100,6 +103,9 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
         f"{variant}-{trial_id}",
         {
             "variant": variant,
+            # Trials finish (and start) in any order when they run concurrently; the report orders
+            # variants as tune.variants declares them.
+            VARIANT_ORDER_TAG: str(list(context.variants).index(variant) if variant in context.variants else 0),
             "trial_id": trial_id,
             **({REPEAT_KEY: str(config[REPEAT_KEY])} if REPEAT_KEY in config else {}),
         },

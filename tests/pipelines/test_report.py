@@ -164,3 +164,15 @@ def test_quality_columns_follow_the_task_and_trainable_params_show_once():
         assert headers.count("Trainable params") == 1 and first in headers
         assert "Trainable params" not in [c.header for c in columns_for(task, [])]
     assert delta_header("seq2seq") == "Δ BLEU vs baseline" and delta_header("causal_lm") == "Δ exact match vs baseline"
+
+
+def test_rows_follow_the_declared_variant_order_not_the_start_order(tmp_path: Path):
+    # Concurrent trials start in any order; each trial tags its variant's place in tune.variants.
+    client, experiment_id = open_experiment(TrackingParams(uri="sqlite:///o.db", experiment="order"), tmp_path)
+    parent = start_run(client, experiment_id, "train", {})
+    declared = ["vanilla", "bf16", "accumulation", "checkpointing"]
+    for name in ["checkpointing", "bf16", "accumulation", "vanilla"]:  # the order they happened to start
+        tags = {"variant": name, "variant_order": str(declared.index(name))}
+        run_id = start_run(client, experiment_id, name, tags, parent_run_id=parent)
+        client.set_terminated(run_id, "FINISHED")
+    assert [row.name for row in load_rows(client, experiment_id, parent)] == declared
