@@ -44,6 +44,7 @@ SPEED_MEMORY_COLUMNS = (
     Column("Wall time", "wall_time_s", " s"),
     Column("Samples/s", "samples_per_s", digits=0),
     Column("Tokens/s", "tokens_per_s", digits=0),
+    Column("Padding", "padding_fraction", "%", scale=100),  # of the batches' positions (bucketing, packing)
     Column("Peak train memory", "peak_train_memory_bytes", " MB", scale=1 / MB, relative=True, noise="exact"),
     Column("Optimizer state", "optimizer_state_bytes", " MB", scale=1 / MB, digits=2, relative=True, noise="exact"),
     Column("Activations", "peak_activation_bytes", " MB", scale=1 / MB, digits=2, relative=True, noise="exact"),

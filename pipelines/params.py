@@ -109,6 +109,10 @@ class DataParams(StrictModel):
         description="With bucketing, fill batches up to this many padded tokens instead of batch_size rows "
         "(short rows travel in bigger batches); null: batch_size rows per batch."
     )
+    packing: bool = Field(
+        description="causal_lm: pack several examples into each row of up to max_length tokens (best-fit "
+        "decreasing), positions restarting and no attention across examples; batch_size then counts packed rows."
+    )
     val_fraction: float = Field(gt=0.0, lt=0.5, description="Validation share when the source has no validation split.")
     test_fraction: float = Field(gt=0.0, lt=0.5, description="Test share when the source has no test split.")
     num_proc: PositiveInt | None = Field(
@@ -484,6 +488,11 @@ class Params(StrictModel):
                 f"task: causal_lm needs data.prompt_column and data.response_column together (got "
                 f"{self.data.prompt_column!r} and {self.data.response_column!r}); set both, or neither for plain "
                 "language modelling of data.text_column"
+            )
+        if self.data.packing and self.task != "causal_lm":
+            raise ValueError(
+                f"data.packing: true packs causal-LM examples; task: {self.task} keeps one example per row "
+                "(set data.packing: false, or task: causal_lm)"
             )
         if self.task == "causal_lm" and not isinstance(self.data.text_column, str):
             raise ValueError("task: causal_lm reads one data.text_column (a string), not a list of columns")

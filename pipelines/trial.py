@@ -202,7 +202,7 @@ def train_and_save(
     model = apply_adapter(model, params.adapter, task, params)
     if rank:
         torch.manual_seed(params.seed + rank)  # own dropout masks per rank
-    train = TokenizedSplit.load(tokenized / "train")
+    train = task.training_split(TokenizedSplit.load(tokenized / "train"), params, model)  # packed, if asked
     longest = int(train.lengths.max())
     if params.data.bucketing:
         longest = padded_length(longest, resolve_pad_multiple(params, device))

@@ -106,6 +106,7 @@ FINAL_METRICS = (
     "train_time_s",
     "samples_per_s",
     "tokens_per_s",
+    "padding_fraction",
     "peak_train_memory_bytes",
     "test_accuracy",
     "test_macro_f1",

@@ -199,6 +199,7 @@ class PadCollator:
             "input_ids": torch.from_numpy(ids),
             "attention_mask": torch.from_numpy(mask),
             "row_index": torch.from_numpy(idx.astype(np.int64)),
+            "num_rows": torch.tensor(len(idx)),  # examples (a packed row holds several)
             "num_tokens": torch.tensor(int(lengths.sum())),
         }
         if self.labels is not None:  # a classifier's label per row (a language model's labels are its tokens)

@@ -106,6 +106,10 @@ class Task(ABC):
     ) -> PadCollator:
         """Rows -> a padded batch with this task's `labels`."""
 
+    def training_split(self, split: TokenizedSplit, params: Params, model: nn.Module) -> TokenizedSplit:
+        """The rows training iterates over (a causal LM's packs with data.packing); returns `split` when already so."""
+        return split
+
     @abstractmethod
     def loss_units(self, split: TokenizedSplit, params: Params) -> np.ndarray:
         """Per row, how many terms it adds to the loss (1 per row, or its target tokens).

@@ -19,6 +19,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from pipelines.data.batching import PadCollator
+from pipelines.data.packing import IGNORE, PackedSplit, check_isolation, pack_split, packed_targets
 from pipelines.data.sources import DataError, check_columns
 from pipelines.data.synthetic import generate_instructions
 from pipelines.data.tokenization import TokenizedSplit, train_causal_word_tokenizer
@@ -26,8 +27,6 @@ from pipelines.errors import UserError
 from pipelines.params import DataParams, ModelParams, Params
 from pipelines.tasks.base import Encoded, EvaluationResult, Task
 from pipelines.train.device import ResolvedPrecision
-
-IGNORE = -100  # label of a position the loss skips (prompt, padding): torch's ignore_index
 
 
 def source_columns(data: DataParams) -> dict[str, str]:
@@ -66,6 +65,30 @@ class CausalLmCollator(PadCollator):
         return batch
 
 
+class PackedCausalLmCollator(PadCollator):
+    """Packs padded on the right, with `position_ids` restarting per example and no 2-D attention mask.
+
+    Without the mask, transformers isolates each example by its positions (see pipelines.data.packing);
+    `num_rows` counts examples, not packs, so samples/s stays comparable with unpacked runs.
+    """
+
+    def __init__(self, split: PackedSplit, pad_id: int, *, train_on_prompt: bool, **kwargs: int | None):
+        super().__init__(split, pad_id, **kwargs)  # type: ignore[arg-type]
+        self.split = split
+        self.train_on_prompt = train_on_prompt
+
+    def __call__(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        batch = super().__call__(indices)
+        width = batch["input_ids"].shape[1]
+        targets = [packed_targets(self.split, pack, width, self.train_on_prompt) for pack in indices]
+        batch["position_ids"] = torch.from_numpy(np.stack([positions for positions, _ in targets]))
+        batch["labels"] = torch.from_numpy(np.stack([labels for _, labels in targets]))
+        starts = self.split.segment_starts
+        batch["num_rows"] = torch.tensor(int((starts[np.asarray(indices) + 1] - starts[np.asarray(indices)]).sum()))
+        del batch["attention_mask"]
+        return batch
+
+
 def target_counts(lengths: np.ndarray, prompt_lengths: np.ndarray, train_on_prompt: bool) -> np.ndarray:
     """Target tokens per row: positions 1..L-1 (the first token has nothing before it), after the prompt if masked."""
     first = np.ones_like(lengths) if train_on_prompt else np.maximum(prompt_lengths, 1)
@@ -94,11 +117,13 @@ def next_token_loss(
     keep = torch.zeros_like(labels, dtype=torch.bool)
     keep[:, :-1] = labels[:, 1:] != IGNORE
     targets = labels[:, 1:][keep[:, :-1]]
+    # A packed batch has position ids and no attention mask; training never needs a key/value cache.
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
     if _keeps_logits(model):
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=keep).logits
+        logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits
         logits = logits.reshape(-1, logits.shape[-1])
     else:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[keep]
+        logits = model(**inputs, use_cache=False).logits[keep]
     logits = logits.float()  # fp32 log-softmax even under autocast
     total = F.cross_entropy(logits, targets, reduction="sum")
     correct = (logits.detach().argmax(-1) == targets).sum()
@@ -199,8 +224,9 @@ class CausalLmTask(Task):
         pad_to_multiple_of: int | None,
         params: Params,
     ) -> PadCollator:
-        return CausalLmCollator(
-            split,
+        collator = PackedCausalLmCollator if isinstance(split, PackedSplit) else CausalLmCollator
+        return collator(
+            split,  # type: ignore[arg-type]
             pad_id,
             train_on_prompt=params.train_on_prompt,
             fixed_length=fixed_length,
@@ -208,8 +234,20 @@ class CausalLmTask(Task):
         )
 
     def loss_units(self, split: TokenizedSplit, params: Params) -> np.ndarray:
+        if isinstance(split, PackedSplit):  # a pack's units: its examples' target tokens
+            units = target_counts(split.segment_lengths, split.segment_prompt_lengths, params.train_on_prompt)
+            return np.add.reduceat(units, split.segment_starts[:-1])
         assert split.prompt_lengths is not None
         return target_counts(split.lengths, split.prompt_lengths, params.train_on_prompt)
+
+    def training_split(self, split: TokenizedSplit, params: Params, model: nn.Module) -> TokenizedSplit:
+        """With `data.packing`, the rows packed up to data.max_length, once the model is known to isolate them."""
+        if not params.data.packing or isinstance(split, PackedSplit):
+            return split
+        reason = check_isolation(model, int(model.get_input_embeddings().num_embeddings))
+        if reason is not None:
+            raise UserError(f"data.packing: {reason}")
+        return pack_split(split, params.data.max_length)
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         total, count, _ = next_token_loss(model, batch)

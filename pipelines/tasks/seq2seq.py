@@ -72,6 +72,7 @@ class Seq2SeqCollator(PadCollator):
             "decoder_input_ids": torch.from_numpy(decoder_input),
             "labels": torch.from_numpy(labels),
             "row_index": torch.from_numpy(idx.astype(np.int64)),
+            "num_rows": torch.tensor(len(idx)),
             "num_tokens": torch.tensor(int((sources + targets).sum())),
         }
 

@@ -43,6 +43,7 @@ class LoopState:
     step: int = 0  # optimizer steps taken
     rows_timed: int = 0  # rows and real tokens of the timed steps (every step but the warm-up one)
     tokens_timed: int = 0
+    positions_timed: int = 0  # real tokens plus padding
     data_wait_s: float = 0.0  # waiting for batches, within the timed steps
     clocks: dict[str, float] = field(default_factory=dict)  # seconds per region (see pipelines/train/timing.py)
     step_times: list[float] = field(default_factory=list)
@@ -54,6 +55,13 @@ class LoopState:
     cuda_peak_allocated: int = 0  # CUDA allocator peaks of the training segments before the last reset
     cuda_peak_reserved: int = 0
     val_metrics: dict[str, float] = field(default_factory=dict)
+
+    def add_timed(self, rows: int, tokens: int, positions: int, wait_s: float) -> None:
+        """Count a timed window's examples, real tokens, padded positions and data wait."""
+        self.rows_timed += rows
+        self.tokens_timed += tokens
+        self.positions_timed += positions
+        self.data_wait_s += wait_s
 
 
 def _training_params(params: Params) -> dict[str, Any]:

@@ -108,6 +108,7 @@ def train_model(
     """
     setup_start = time.perf_counter()
     model.to(device)
+    train = task_of(params, task).training_split(train, params, model)  # packs, with data.packing
     # Inductor draws its own fused dropout masks under compile; CUDA's dropout is already fused.
     use_fast_dropout = params.fast_dropout and device.type == "cpu" and not params.compile
     probe = _probe_inputs(train, pad_id, task_of(params, task), params) if use_fast_dropout else None
@@ -137,7 +138,7 @@ def _probe_inputs(train: TokenizedSplit, pad_id: int, task: Task, params: Params
     order = train.lengths.argsort()
     picks = sorted({int(order[0]), int(order[len(order) // 2]), int(order[-1])})
     batch = task.collator(train, pad_id, fixed_length=None, pad_to_multiple_of=None, params=params)(picks)
-    return {k: v for k, v in batch.items() if k not in ("labels", "row_index", "num_tokens")}
+    return {k: v for k, v in batch.items() if k not in ("labels", "row_index", "num_rows", "num_tokens")}
 
 
 def _measure_memory(
@@ -333,9 +334,7 @@ def _train(
             state.logged_windows += 1
             if not warmup:
                 clock.lap()
-                state.rows_timed += counts[0]
-                state.tokens_timed += counts[1]
-                state.data_wait_s += counts[2]
+                state.add_timed(counts.rows, counts.tokens, counts.positions, counts.wait_s)
             if state.step % params.log_every_n_steps == 0 or state.step == total_steps:
                 _log_point(state, counters, logged_loss, optimizer, scaler, epoch, device, world_size, on_log)
                 clock.read_laps()

@@ -48,6 +48,8 @@ def final_metrics(
         "step_time_p50_ms": _percentile_ms(state.step_times, 50),
         "step_time_p90_ms": _percentile_ms(state.step_times, 90),
         "data_wait_fraction": state.data_wait_s / train_time,
+        # Share of the batch tensors' positions that were padding, over the timed steps.
+        "padding_fraction": 1.0 - state.tokens_timed / state.positions_timed if state.positions_timed else 0.0,
         "optimizer_steps": state.step,
         "timed_steps": len(state.step_times),
         "oom_halvings": state.oom_halvings,
@@ -84,15 +86,16 @@ _MAXED = (
 
 def reduce_final_metrics(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
     """The run's global metrics: rows and tokens of every rank over the slowest rank's time."""
-    rows, tokens = all_reduce(
-        [metrics["samples_per_s"] * metrics["train_time_s"], metrics["tokens_per_s"] * metrics["train_time_s"]],
-        "sum",
-        device,
+    tokens = metrics["tokens_per_s"] * metrics["train_time_s"]
+    positions = tokens / (1.0 - metrics["padding_fraction"]) if metrics["padding_fraction"] < 1.0 else 0.0
+    rows, tokens, positions = all_reduce(
+        [metrics["samples_per_s"] * metrics["train_time_s"], tokens, positions], "sum", device
     )
     maxed = [k for k in _MAXED if k in metrics]
     reduced = dict(zip(maxed, all_reduce([metrics[k] for k in maxed], "max", device), strict=True))
     out = {**metrics, **reduced}
     out["samples_per_s"] = rows / out["train_time_s"]
     out["tokens_per_s"] = tokens / out["train_time_s"]
+    out["padding_fraction"] = 1.0 - tokens / positions if positions else 0.0
     out["world_size"] = float(world()[1])
     return out

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -161,6 +162,16 @@ def global_window_rows(
     return [sum(window_units(windows[s], units) for windows in per_rank) for s in range(len(per_rank[0]))]
 
 
+@dataclass
+class WindowCounts:
+    """What one window's micro-batches held: examples, real tokens, padded positions, and the wait for them."""
+
+    rows: int = 0
+    tokens: int = 0
+    positions: int = 0  # tokens plus padding: the batch tensors' size
+    wait_s: float = 0.0
+
+
 def accumulate_window(
     model: nn.Module,
     loader: Iterator[dict[str, torch.Tensor]],
@@ -171,8 +182,8 @@ def accumulate_window(
     meter: object | None,
     units_in_window: float | None = None,
     task: Task | None = None,
-) -> tuple[torch.Tensor, tuple[int, int, float]]:
-    """Forward and backward every micro-batch of one window; return its loss and (rows, real tokens, data wait s).
+) -> tuple[torch.Tensor, WindowCounts]:
+    """Forward and backward every micro-batch of one window; return its loss and what it held (`WindowCounts`).
 
     The loss is divided by `units_in_window`, the window's loss units (`window_units`; default:
     its rows, a classifier's unit). Under data parallelism the caller passes the units of the
@@ -183,21 +194,22 @@ def accumulate_window(
     if units_in_window is None:
         units_in_window = window_units(window, None)
     total = torch.zeros((), device=device)
-    rows = tokens = 0
-    wait = 0.0
+    counts = WindowCounts()
     for index in range(len(window)):
         fetch = time.perf_counter()
         batch = next(loader)
-        wait += time.perf_counter() - fetch
-        rows += len(batch["row_index"])
-        tokens += int(batch["num_tokens"])  # counted on the host copy: no device sync
+        counts.wait_s += time.perf_counter() - fetch
+        # Counted on the host copy: no device sync.
+        counts.rows += int(batch["num_rows"])
+        counts.tokens += int(batch["num_tokens"])
+        counts.positions += batch["input_ids"].numel()
         batch = to_device(batch, device)
         # Under DDP, gradients are all-reduced once per window, on its last micro-batch only.
         last = index == len(window) - 1
         no_sync = model.no_sync() if isinstance(model, DistributedDataParallel) and not last else nullcontext()
         with no_sync, meter.measure() if meter is not None else nullcontext():  # type: ignore[attr-defined]
             total += backward_micro_batch(model, batch, units_in_window, precision, device, scaler, task)
-    return total, (rows, tokens, wait)
+    return total, counts
 
 
 def found_nonfinite(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> torch.Tensor:

@@ -220,6 +220,14 @@ def test_causal_lm_data_and_model_rules_name_their_keys(default_params, changes,
         assert text in str(err.value), str(err.value)
 
 
+@pytest.mark.parametrize("task", ["classification", "seq2seq"])
+def test_packing_is_for_causal_lm_only(default_params, task):
+    with pytest.raises(ParamsError, match=f"data.packing: true packs causal-LM examples; task: {task}"):
+        tiny_params(default_params, task=task, **{"data.packing": True})
+    # A variant may turn it on (it is read by the train stage, not the tokenize stage).
+    tiny_params(default_params, task="causal_lm", **{"tune.variants": {"packed": {"data.packing": True}}})
+
+
 def test_task_and_remote_code_cannot_vary_per_trial(default_params):
     for key in ("task", "model.trust_remote_code", "model.gguf_file", "data.prompt_column"):
         with pytest.raises(ParamsError, match="which the tokenize stage reads"):

@@ -31,6 +31,7 @@ def make_store(tmp_path: Path):
                 **metrics,
                 "samples_per_s": 100.0,
                 "tokens_per_s": 2500.0,
+                "padding_fraction": 0.25,
                 "test_macro_f1": 0.7,
                 "optimizer_state_bytes": 2e6,
                 "peak_activation_bytes": 5e6,

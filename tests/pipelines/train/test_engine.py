@@ -128,6 +128,16 @@ def test_bf16_on_cpu_runs_and_stays_close_to_fp32(default_params):
     assert fp32.history[-1]["loss"] < fp32.history[0]["loss"]  # it learns
 
 
+def test_padding_fraction_is_the_share_of_padded_positions(default_params):
+    fixed = train_tiny(default_params, **{"data.bucketing": False}).metrics
+    rows, tokens = (fixed[k] * fixed["train_time_s"] for k in ("samples_per_s", "tokens_per_s"))
+    # Unbucketed batches are padded to max_length: rows x max_length positions.
+    max_length = tiny_params(default_params).data.max_length
+    assert fixed["padding_fraction"] == pytest.approx(1 - tokens / (rows * max_length))
+    bucketed = train_tiny(default_params).metrics
+    assert 0 < bucketed["padding_fraction"] < fixed["padding_fraction"]
+
+
 def test_metrics_are_measured(default_params):
     result = train_tiny(default_params)
     m = result.metrics
