@@ -95,3 +95,15 @@ def load_pretrained(auto_class: Any, model: ModelParams, root: Path, **kwargs: A
 def load_trained(folder: Path) -> PreTrainedModel:
     """Load a fine-tuned model folder written by `save_pretrained` (safetensors)."""
     return AutoModelForSequenceClassification.from_pretrained(str(folder), dtype=torch.float32)
+
+
+def set_attention(model: PreTrainedModel, params: ModelParams) -> PreTrainedModel:
+    """Switch `model` to `model.attn_implementation` (when set), with an error naming the key if it cannot run."""
+    if params.attn_implementation is None:
+        return model
+    try:
+        model.set_attn_implementation(params.attn_implementation)
+    except (ImportError, ValueError) as err:
+        name = params.attn_implementation
+        raise UserError(f"model.attn_implementation = {name!r} cannot be used here: {err}") from None
+    return model

@@ -180,6 +180,13 @@ class ModelParams(StrictModel):
         "SmolLM2-135M-Instruct.Q4_1.gguf); null: safetensors/bin weights."
     )
     trust_remote_code: bool = Field(description="Allow a hub model to run its own code (off unless you trust it).")
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"] | None = (
+        Field(
+            description="The attention the model trains with (transformers' set_attn_implementation); "
+            "flash_attention_2 needs CUDA and the flash-attn package, and takes packed rows as variable-length "
+            "sequences; null: transformers' default (sdpa where the model supports it)."
+        )
+    )
 
     @model_validator(mode="after")
     def _gguf_needs_a_folder(self) -> ModelParams:

@@ -27,6 +27,7 @@ from pipelines.adapters import BASE_DIR, apply_adapter, save_base_reference, sav
 from pipelines.data.batching import padded_length
 from pipelines.data.tokenization import LABELS_FILE, TOKENIZER_DIR, TokenizedSplit
 from pipelines.errors import UserError
+from pipelines.model import set_attention
 from pipelines.params import Params, apply_overrides
 from pipelines.tasks import get_task
 from pipelines.tracking import RunLogger, environment_tags, leave_retries_to_run_logger, log_params, start_run
@@ -191,7 +192,7 @@ def train_and_save(
     precision = resolve_precision(params, device)
     if logger:
         logger.log_tags({"precision.resolved": precision, "device.resolved": str(device), "task": params.task})
-    model = task.build_model(params, tokenizer, tokenized, Path(context.root))
+    model = set_attention(task.build_model(params, tokenizer, tokenized, Path(context.root)), params.model)
     out = Path(context.staging_dir) / trial_id
     if params.adapter.type != "none" and not params.adapter.merge and rank == 0:
         # What the adapter needs to be loaded again: a random base's weights, or where a pretrained one is.

@@ -1,4 +1,4 @@
-"""Causal-LM instruction tuning end to end: `dvc exp run -S task=causal_lm`, full and LoRA, in MLflow and the report."""
+"""Causal-LM instruction tuning end to end: `dvc exp run -S task=causal_lm`, full, LoRA and packed rows."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 def test_causal_lm_experiment_runs_offline_with_lora_and_reports_generation_quality(project_copy: Path):
     root = project_copy
-    write_params(root, {"tune.variants": {"full": {}, "lora": {"adapter.type": "lora", "lr": 0.003}}})
-    run(["git", "commit", "-qam", "full and lora variants"], root)
+    variants = {"full": {}, "lora": {"adapter.type": "lora", "lr": 0.003}, "packed": {"data.packing": True}}
+    write_params(root, {"tune.variants": variants})
+    run(["git", "commit", "-qam", "full, lora and packed variants"], root)
 
     run(["dvc", "exp", "run", "-S", "task=causal_lm"], root, timeout=900)
 
@@ -42,12 +43,19 @@ def test_causal_lm_experiment_runs_offline_with_lora_and_reports_generation_qual
         for r in client.search_runs([experiment.experiment_id])
         if "mlflow.parentRunId" in r.data.tags and r.info.status == "FINISHED"
     }
-    assert set(trials) == {"full", "lora"}
+    assert set(trials) == {"full", "lora", "packed"}
     for trial in trials.values():
         assert trial.data.tags["task"] == "causal_lm" and trial.data.params["task"] == "causal_lm"
         for name in ("test_exact_match", "test_perplexity", "val_loss", "val_token_accuracy", "tokens_per_s"):
             assert name in trial.data.metrics, name
-    full, lora = trials["full"].data.metrics, trials["lora"].data.metrics
+    full, lora, packed = (trials[name].data.metrics for name in ("full", "lora", "packed"))
+
+    # Packing: several examples per row (batch_size counts rows), so more examples per step and fewer steps.
+    def examples_per_step(m: dict[str, float]) -> float:
+        return m["samples_per_s"] * m["train_time_s"] / m["timed_steps"]
+
+    assert examples_per_step(packed) > 1.5 * examples_per_step(full)
+    assert packed["optimizer_steps"] < full["optimizer_steps"] and packed["padding_fraction"] < 0.05
     assert full["frozen_param_bytes"] == 0 and lora["frozen_param_bytes"] > 10 * lora["trainable_param_bytes"]
     assert lora["optimizer_state_bytes"] == 2 * lora["trainable_param_bytes"] < full["optimizer_state_bytes"] / 10
     best = json.loads((root / "metrics/train.json").read_text())
@@ -57,6 +65,14 @@ def test_causal_lm_experiment_runs_offline_with_lora_and_reports_generation_qual
 
     report = (root / "reports/report.md").read_text()
     header = next(line for line in report.splitlines() if line.startswith("| Trial"))
-    for column in ("Exact match", "Token accuracy", "Perplexity", "Trainable params", "Δ exact match vs baseline"):
+    columns = (
+        "Exact match",
+        "Token accuracy",
+        "Perplexity",
+        "Trainable params",
+        "Padding",
+        "Δ exact match vs baseline",
+    )
+    for column in columns:
         assert column in header, header
     assert "Accuracy" not in header and "| full |" in report and "| lora |" in report

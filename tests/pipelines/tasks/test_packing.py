@@ -13,6 +13,7 @@ from pipelines.adapters import apply_adapter
 from pipelines.data.packing import PackedSplit, best_fit_decreasing, check_isolation, pack_split
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
+from pipelines.model import set_attention
 from pipelines.params import Params
 from pipelines.tasks.causal_lm import CausalLmCollator
 from pipelines.train.engine import train_model
@@ -41,14 +42,18 @@ def test_a_row_longer_than_a_pack_is_refused():
         best_fit_decreasing(np.array([4, 9]), 8)
 
 
-@pytest.mark.parametrize("train_on_prompt", [False, True])
-def test_packed_and_unpacked_give_the_same_loss_and_gradients(default_params: Params, train_on_prompt: bool):
-    params = lm_params(default_params, train_on_prompt=train_on_prompt, **{"data.packing": True})
+@pytest.mark.parametrize(("train_on_prompt", "attention"), [(False, "sdpa"), (True, "sdpa"), (False, "eager")])
+def test_packed_and_unpacked_give_the_same_loss_and_gradients(
+    default_params: Params, train_on_prompt: bool, attention: str
+):
+    settings = {"data.packing": True, "model.attn_implementation": attention}
+    params = lm_params(default_params, train_on_prompt=train_on_prompt, **settings)
     split = lm_split(rows=16)
     packed = pack_split(split, capacity=48)
     assert len(packed) < len(split) and packed.examples == len(split)
     torch.manual_seed(0)
-    model = TASK.build_model(params, WordTokenizer(), Path("."), Path("."))
+    model = set_attention(TASK.build_model(params, WordTokenizer(), Path("."), Path(".")), params.model)
+    assert model.config._attn_implementation == attention
     scaler = torch.amp.GradScaler("cpu", enabled=False)
 
     def run(rows: TokenizedSplit, window: list[list[int]]) -> tuple[float, dict[str, torch.Tensor]]:
@@ -115,3 +120,12 @@ def test_unpacked_collator_is_unchanged_without_packing(default_params: Params):
     assert TASK.training_split(split, params, torch.nn.Linear(1, 1)) is split
     collate = TASK.collator(split, 0, fixed_length=None, pad_to_multiple_of=None, params=params)
     assert isinstance(collate, CausalLmCollator) and not isinstance(split, PackedSplit)
+
+
+def test_an_attention_that_cannot_run_here_names_the_key(default_params: Params):
+    params = lm_params(default_params, **{"model.attn_implementation": "flash_attention_2"})
+    model = TASK.build_model(params, WordTokenizer(), Path("."), Path("."))
+    if torch.cuda.is_available():
+        pytest.skip("flash-attn may be installed with CUDA")
+    with pytest.raises(UserError, match="model.attn_implementation = 'flash_attention_2' cannot be used here"):
+        set_attention(model, params.model)
