@@ -1,0 +1,164 @@
+"""Predicted training memory, before training: one step of the real model under FakeTensorMode.
+
+Why not a formula: parameters, gradients and optimizer state are easy to count, but the
+activations depend on the model's code (attention implementation, dropout masks, what
+autograd saves, what checkpointing recomputes, the fp32 copies autocast keeps), and a
+formula drifts from the code it describes. Instead the plan runs the trial's own first
+window (the longest batch the sampler will produce, the same accumulation, precision,
+checkpointing, optimizer and adapter) under PyTorch's `FakeTensorMode`, where tensors have
+shapes, dtypes and sizes but no storage, and reads the peak with the same `MemTracker` the
+engine uses to measure a real step (`pipelines.train.memory.track_training_peak`). Nothing
+is allocated, so a plan for a model that would not fit costs seconds and no memory.
+
+What differs from the real step: the loss-scaler's bookkeeping is skipped (it reads
+values, which fake tensors do not have; with scale 1.0 it allocates a few bytes), and
+LoRA's adapter weights are created for real (peft cannot build them on fake tensors; they
+are small), then swapped for fake ones. The optimizer state is counted exactly from its tensors, as the trial does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
+
+from pipelines.data.batching import LengthGroupedBatchSampler
+from pipelines.data.tokenization import TokenizedSplit
+from pipelines.params import Params
+from pipelines.tasks.base import Task
+from pipelines.train.device import ResolvedPrecision
+from pipelines.train.memory import track_training_peak
+from pipelines.train.optim import build_optimizer
+from pipelines.train.steps import backward_micro_batch, make_loader, make_scaler, plan_windows, window_units
+
+CPU = torch.device("cpu")
+_HOST_COUNTS = ("num_rows", "num_tokens")  # host-side counters of a batch, not model inputs
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """A training step's predicted memory (bytes) and the batch it was planned for."""
+
+    peak: int
+    parameters: int
+    trainable_parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    batch_rows: int
+    batch_width: int
+    plan_time_s: float
+
+    def as_metrics(self) -> dict[str, float]:
+        """MLflow names: `predicted_*`, beside the measured `peak_train_memory_bytes` and its breakdown."""
+        return {
+            "predicted_peak_train_memory_bytes": float(self.peak),
+            "predicted_param_bytes": float(self.parameters),
+            "predicted_trainable_param_bytes": float(self.trainable_parameters),
+            "predicted_grad_bytes": float(self.gradients),
+            "predicted_optimizer_state_bytes": float(self.optimizer_state),
+            "predicted_activation_bytes": float(self.activations),
+            "plan_time_s": self.plan_time_s,
+        }
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    # Fake tensors have no data pointers to de-duplicate by; these tensors never share storage.
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _all_fake(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
+    """Swap the real tensors `adapt` created (LoRA weights) for fake ones: mixing both corrupts the heap at exit."""
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and not isinstance(param, FakeTensor):
+                module._parameters[name] = nn.Parameter(mode.from_tensor(param.detach()), param.requires_grad)
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and not isinstance(buffer, FakeTensor):
+                module._buffers[name] = mode.from_tensor(buffer)
+    return model
+
+
+def plan_memory(
+    params: Params,
+    task: Task,
+    train: TokenizedSplit,
+    build_base: Callable[[], nn.Module],
+    adapt: Callable[[nn.Module], nn.Module],
+    pad_id: int,
+    precision: ResolvedPrecision,
+) -> MemoryPlan:
+    """Predict the peak of one training step of `params` on `train`'s first (longest) window.
+
+    `build_base` makes the model (it is called under FakeTensorMode, so its weights are never
+    allocated), `adapt` applies the adapter (called outside it: peft builds its small weights
+    for real). Predicts CPU-allocated bytes, what the trial measures on CPU.
+    """
+    start = time.perf_counter()
+    sampler = LengthGroupedBatchSampler(
+        train.lengths,
+        params.batch_size,
+        bucketing=params.data.bucketing,
+        seed=params.seed,
+        max_tokens=params.data.max_tokens_per_batch,
+    )
+    window = plan_windows(sampler.batches(0), params.grad_accum_steps)[0]
+    units = window_units(window, task.loss_units(train, params))
+    in_process = params.model_copy(update={"num_workers": 0, "persistent_workers": False})
+    batches = [
+        {k: v for k, v in batch.items() if k not in _HOST_COUNTS}
+        for batch in make_loader(train, window, in_process, pad_id, CPU, None, task)
+    ]
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        torch.manual_seed(params.seed)
+        model = build_base()
+    model = _all_fake(adapt(model), mode)
+    with mode:
+        model.train()
+        if params.grad_checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        optimizer = build_optimizer(params.optim, model, params.lr, params.weight_decay, CPU)
+        scaler = make_scaler(precision, CPU)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+
+        def step(meter: object | None) -> None:
+            for batch in batches:
+                with meter.measure() if meter is not None else nullcontext():  # type: ignore[attr-defined]
+                    backward_micro_batch(model, batch, units, precision, CPU, scaler, task)
+            if params.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(trainable, params.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        try:
+            peak = track_training_peak(model, optimizer, CPU, step)
+        except (DynamicOutputShapeException, DataDependentOutputException) as err:
+            raise NotImplementedError(
+                f"task {task.name}: its training step has data-dependent shapes ({err}), which a plan on fake "
+                "tensors cannot size yet"
+            ) from None
+        state = [
+            v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.numel() > 1
+        ]
+    return MemoryPlan(
+        peak=peak.total,
+        parameters=_nbytes(list(model.parameters())),
+        trainable_parameters=_nbytes(trainable),
+        gradients=_nbytes(trainable),
+        optimizer_state=_nbytes(state),
+        activations=peak.activations_peak,
+        batch_rows=sum(len(rows) for rows in window),
+        batch_width=max(int(b["input_ids"].shape[1]) for b in batches),
+        plan_time_s=time.perf_counter() - start,
+    )

@@ -1,0 +1,74 @@
+"""The memory plan: predicted before training (nothing allocated), checked against what the trial measures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipelines.adapters import apply_adapter
+from pipelines.memory_plan import plan_memory
+from pipelines.params import Params
+from pipelines.tasks import get_task
+from pipelines.train.engine import train_model
+from tests.conftest import tiny_params
+from tests.pipelines.tasks.test_causal_lm import WordTokenizer, lm_params, lm_split
+from tests.pipelines.train.helpers import tiny_model, tiny_split
+
+CPU = torch.device("cpu")
+# The issue's bar; the plan runs the measured step's own code, so it is usually exact.
+PEAK_TOLERANCE = 0.15
+STRATEGIES = {
+    "vanilla": {"data.bucketing": False},
+    "bf16": {"precision": "bf16"},
+    "checkpointing": {"grad_checkpointing": True},
+    "accumulation": {"batch_size": 8, "grad_accum_steps": 4},
+    "adafactor": {"optim": "adafactor"},
+    "lora": {"adapter.type": "lora"},
+}
+
+
+def bert_case(default_params: Params, overrides: dict) -> tuple:
+    settings = {"epochs": 1, "batch_size": 32, "fast_dropout": False, "adapter.target_modules": ["query", "value"]}
+    params = tiny_params(default_params, **{**settings, **overrides})
+    return params, get_task("classification"), tiny_split(rows=160, seed=3), lambda: tiny_model(layers=2, hidden=64)
+
+
+def llama_case(default_params: Params, overrides: dict) -> tuple:
+    params = lm_params(default_params, **{"epochs": 1, "batch_size": 16, "fast_dropout": False, **overrides})
+    task = get_task("causal_lm")
+    return (
+        params,
+        task,
+        lm_split(rows=64, seed=2),
+        lambda: task.build_model(params, WordTokenizer(), Path("."), Path(".")),
+    )
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+# The Llama case is not planned yet: the causal-LM loss selects target positions with a boolean
+# mask (data-dependent shapes, which FakeTensorMode cannot size); see test_causal_lm_plan_is_refused_clearly.
+@pytest.mark.parametrize("case", [bert_case], ids=["bert"])
+def test_predicted_peak_is_within_15_percent_and_optimizer_state_is_exact(default_params, case, strategy):
+    params, task, train, build = case(default_params, STRATEGIES[strategy])
+    precision = params.precision if params.precision != "auto" else "fp32"
+
+    def adapt(model: torch.nn.Module) -> torch.nn.Module:
+        return apply_adapter(model, params.adapter, task, params)
+
+    plan = plan_memory(params, task, train, build, adapt, 0, precision)
+    torch.manual_seed(params.seed)
+    model = adapt(build())
+    measured = train_model(model, train, None, params, pad_id=0, device=CPU, precision=precision, task=task).metrics
+    error = plan.peak / measured["peak_train_memory_bytes"] - 1
+    assert abs(error) <= PEAK_TOLERANCE, f"{strategy}: predicted {plan.peak}, measured {measured}"
+    assert plan.optimizer_state == measured["optimizer_state_bytes"]
+    assert plan.trainable_parameters == measured["trainable_param_bytes"]
+    assert plan.parameters == measured["param_bytes"]
+
+
+def test_causal_lm_plan_is_refused_clearly(default_params):
+    params, task, train, build = llama_case(default_params, {})
+    with pytest.raises(NotImplementedError, match="data-dependent shapes"):
+        plan_memory(params, task, train, build, lambda model: model, 0, "fp32")
