@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -33,10 +34,11 @@ from torch._subclasses.fake_tensor import (
 )
 
 from pipelines.data.batching import LengthGroupedBatchSampler
-from pipelines.data.tokenization import TokenizedSplit
-from pipelines.params import Params
+from pipelines.data.tokenization import TOKENIZER_DIR, TokenizedSplit
+from pipelines.params import Params, apply_overrides
 from pipelines.tasks.base import Task
 from pipelines.train.device import ResolvedPrecision
+from pipelines.train.fast_dropout import fast_dropout
 from pipelines.train.memory import track_training_peak
 from pipelines.train.optim import build_optimizer
 from pipelines.train.steps import backward_micro_batch, make_loader, make_scaler, plan_windows, window_units
@@ -141,16 +143,18 @@ def plan_memory(
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
+        # The engine's CPU dropout (its attention swap needs real outputs to check, so it is not tried here).
+        dropout = fast_dropout(model) if params.fast_dropout and not params.compile else nullcontext()
         try:
-            peak = track_training_peak(model, optimizer, CPU, step)
+            with dropout:
+                peak = track_training_peak(model, optimizer, CPU, step)
         except (DynamicOutputShapeException, DataDependentOutputException) as err:
             raise NotImplementedError(
                 f"task {task.name}: its training step has data-dependent shapes ({err}), which a plan on fake "
                 "tensors cannot size yet"
             ) from None
-        state = [
-            v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.numel() > 1
-        ]
+        state = [v for kept in optimizer.state.values() for v in kept.values() if isinstance(v, torch.Tensor)]
+        state = [v for v in state if v.numel() > 1]  # as the trial counts: moments and factors, not scalar steps
     return MemoryPlan(
         peak=peak.total,
         parameters=_nbytes(list(model.parameters())),
@@ -162,3 +166,56 @@ def plan_memory(
         batch_width=max(int(b["input_ids"].shape[1]) for b in batches),
         plan_time_s=time.perf_counter() - start,
     )
+
+
+MB = 1024 * 1024
+
+
+def plan_variants(params: Params, root: Path, tokenized: Path) -> dict[str, MemoryPlan | str]:
+    """The plan of every variant of `tune.variants` (or of the params alone), on the tokenized train split.
+
+    A variant that cannot be planned gets the reason instead (a string), so one does not hide the others.
+    """
+    from transformers import AutoTokenizer
+
+    from pipelines.adapters import apply_adapter
+    from pipelines.tasks import get_task
+    from pipelines.train.device import resolve_precision
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenized / TOKENIZER_DIR)
+    train = TokenizedSplit.load(tokenized / "train")
+    base = params.model_copy(update={"tune": params.tune.model_copy(update={"variants": {}, "search_space": {}})})
+    variants = params.tune.variants or {"default": {}}
+    plans: dict[str, MemoryPlan | str] = {}
+    for name, overrides in variants.items():
+        variant = apply_overrides(base, dict(overrides))
+        task = get_task(variant.task)
+        try:
+            plans[name] = plan_memory(
+                variant,
+                task,
+                train,
+                lambda v=variant, t=task: t.build_model(v, tokenizer, tokenized, root),
+                lambda model, v=variant, t=task: apply_adapter(model, v.adapter, t, v),
+                tokenizer.pad_token_id,
+                resolve_precision(variant, CPU),
+            )
+        except NotImplementedError as err:
+            plans[name] = str(err)
+    return plans
+
+
+def plan_table(plans: dict[str, MemoryPlan | str]) -> str:
+    """The plans as a markdown table (MB), one row per variant."""
+    lines = [
+        "| Variant | Predicted peak | Parameters | Trainable | Gradients | Optimizer state | Activations | Batch |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, plan in plans.items():
+        if isinstance(plan, str):
+            lines.append(f"| {name} | not planned: {plan} |  |  |  |  |  |  |")
+            continue
+        sizes = (plan.peak, plan.parameters, plan.trainable_parameters, plan.gradients, plan.optimizer_state)
+        cells = [f"{value / MB:,.1f} MB" for value in (*sizes, plan.activations)]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {plan.batch_rows} x {plan.batch_width} |")
+    return "\n".join(lines)

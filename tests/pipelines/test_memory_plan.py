@@ -72,3 +72,19 @@ def test_causal_lm_plan_is_refused_clearly(default_params):
     params, task, train, build = llama_case(default_params, {})
     with pytest.raises(NotImplementedError, match="data-dependent shapes"):
         plan_memory(params, task, train, build, lambda model: model, 0, "fp32")
+
+
+def test_every_variant_is_planned_from_the_tokenized_split(default_params, tmp_path):
+    from pipelines.data.prepare import prepare_dataset
+    from pipelines.memory_plan import plan_table, plan_variants
+
+    variants = {"vanilla": {}, "adafactor": {"optim": "adafactor"}, "checkpointing": {"grad_checkpointing": True}}
+    params = tiny_params(default_params, **{"data.generator.num_rows": 600, "tune.variants": variants})
+    prepare_dataset(params, tmp_path, tmp_path / "tokenized")
+    plans = plan_variants(params, tmp_path, tmp_path / "tokenized")
+    assert list(plans) == list(variants)
+    vanilla, adafactor, checkpointing = plans.values()
+    assert adafactor.optimizer_state < vanilla.optimizer_state / 10
+    assert checkpointing.activations < vanilla.activations and checkpointing.peak < vanilla.peak
+    table = plan_table(plans)
+    assert all(f"| {name} |" in table for name in variants)
