@@ -36,6 +36,7 @@ class Column:
     relative: bool = False  # also print as % of the baseline
     noise: Noise = "none"
     interval: bool = False  # the metric has `<metric>_ci_low` / `_ci_high` (a 95% interval)
+    versus: str | None = None  # also print the error in % against this metric of the same run (prediction)
 
 
 # Time and memory: the same for every task.
@@ -72,6 +73,10 @@ QUALITY_COLUMNS = {
 TRAINABLE_COLUMN = Column(
     "Trainable params", "trainable_param_bytes", " MB", scale=1 / MB, digits=2, relative=True, noise="exact"
 )
+# Shown when trials were planned (pipelines.memory_plan): the prediction and its error against the measured peak.
+PLAN_COLUMN = Column(
+    "Predicted peak", "predicted_peak_train_memory_bytes", " MB", scale=1 / MB, versus="peak_train_memory_bytes"
+)
 COLUMNS = SPEED_MEMORY_COLUMNS + QUALITY_COLUMNS["classification"]
 DELTA_HEADER = "Δ accuracy vs baseline"
 
@@ -84,7 +89,9 @@ def task_of_rows(rows: list[TrialRow]) -> str:
 def columns_for(task: str, rows: list[TrialRow] | None = None) -> tuple[Column, ...]:
     """The report's columns for `task`: time and memory (trainable parameters when a trial froze some), quality."""
     frozen = any(r.metrics.get("frozen_param_bytes", 0.0) > 0 for r in rows or [])
-    return SPEED_MEMORY_COLUMNS + ((TRAINABLE_COLUMN,) if frozen else ()) + QUALITY_COLUMNS[task]
+    planned = all(PLAN_COLUMN.metric in r.metrics for r in rows or [] if r.status == "FINISHED") and bool(rows)
+    extra = ((TRAINABLE_COLUMN,) if frozen else ()) + ((PLAN_COLUMN,) if planned else ())
+    return SPEED_MEMORY_COLUMNS + extra + QUALITY_COLUMNS[task]
 
 
 def delta_header(task: str) -> str:
@@ -192,6 +199,9 @@ def _value_cell(column: Column, group: VariantGroup) -> str:
     low, high = metrics.get(f"{column.metric}_ci_low"), metrics.get(f"{column.metric}_ci_high")
     if column.interval and low is not None and high is not None:
         cell += f" [{low * column.scale:.{column.digits - 1}f}, {high * column.scale:.{column.digits - 1}f}]"
+    measured = metrics.get(column.versus) if column.versus else None
+    if measured:
+        cell += f" ({100 * (values[0] / measured - 1):+.1f}% vs measured)"
     return cell
 
 

@@ -219,3 +219,31 @@ def plan_table(plans: dict[str, MemoryPlan | str]) -> str:
         cells = [f"{value / MB:,.1f} MB" for value in (*sizes, plan.activations)]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {plan.batch_rows} x {plan.batch_width} |")
     return "\n".join(lines)
+
+
+def trial_prediction(
+    params: Params, task: Task, train: TokenizedSplit, tokenizer: object, tokenized: Path, root: Path,
+    precision: ResolvedPrecision,
+) -> tuple[dict[str, float], str]:  # fmt: skip
+    """A trial's plan as `predicted_*` metrics and a one-line note; no metrics (and the reason) when it cannot plan.
+
+    The global RNG is put back afterwards, so planning does not change the trial's training.
+    """
+    from pipelines.adapters import apply_adapter
+
+    rng = torch.get_rng_state()
+    try:
+        plan = plan_memory(
+            params,
+            task,
+            train,
+            lambda: task.build_model(params, tokenizer, tokenized, root),  # type: ignore[arg-type]
+            lambda model: apply_adapter(model, params.adapter, task, params),
+            tokenizer.pad_token_id,  # type: ignore[attr-defined]
+            precision,
+        )
+    except NotImplementedError as err:
+        return {}, f"not planned: {err}"
+    finally:
+        torch.set_rng_state(rng)
+    return plan.as_metrics(), f"planned in {plan.plan_time_s:.1f} s"

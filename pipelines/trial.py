@@ -27,6 +27,7 @@ from pipelines.adapters import BASE_DIR, apply_adapter, save_base_reference, sav
 from pipelines.data.batching import padded_length
 from pipelines.data.tokenization import LABELS_FILE, TOKENIZER_DIR, TokenizedSplit
 from pipelines.errors import UserError
+from pipelines.memory_plan import trial_prediction
 from pipelines.model import set_attention
 from pipelines.params import Params, apply_overrides
 from pipelines.tasks import get_task
@@ -211,6 +212,12 @@ def train_and_save(
         params, model, longest if params.data.bucketing else params.data.max_length, device, precision
     )
     if logger:
+        # The memory plan, before training, logged beside what the trial then measures.
+        predicted, plan_note = trial_prediction(
+            params, task, train, tokenizer, tokenized, Path(context.root), precision
+        )
+        logger.log_dict(predicted)
+        logger.log_tags({"memory_plan": plan_note})
         logger.log_tags(
             {"batch_size.resolved": str(params.batch_size), "grad_accum_steps.resolved": str(params.grad_accum_steps)}
         )

@@ -95,6 +95,10 @@ def test_repro_noop_exp_run_and_bad_values(project_copy: Path):
     assert len(adafactor) == 1 and adafactor[0].info.status == "FINISHED"
     for name in FINAL_METRICS:
         assert adafactor[0].data.metrics.get(name, 0) > 0, name
+    # The memory plan, logged before training beside the measured peak: optimizer state exact, peak close.
+    logged = adafactor[0].data.metrics
+    assert logged["predicted_optimizer_state_bytes"] == logged["optimizer_state_bytes"]
+    assert abs(logged["predicted_peak_train_memory_bytes"] / logged["peak_train_memory_bytes"] - 1) < 0.15
     assert adafactor[0].data.params["data.max_length"] == "64"  # every param, flattened
     loss_curve = client.get_metric_history(adafactor[0].info.run_id, "train_loss")
     assert len(loss_curve) > 10

@@ -177,3 +177,20 @@ def test_rows_follow_the_declared_variant_order_not_the_start_order(tmp_path: Pa
         run_id = start_run(client, experiment_id, name, tags, parent_run_id=parent)
         client.set_terminated(run_id, "FINISHED")
     assert [row.name for row in load_rows(client, experiment_id, parent)] == declared
+
+
+def test_a_planned_trial_shows_its_predicted_peak_and_the_error(tmp_path: Path):
+    client, experiment_id = open_experiment(TrackingParams(uri="sqlite:///p.db", experiment="plan"), tmp_path)
+    parent = start_run(client, experiment_id, "train", {})
+    for name, predicted in (("vanilla", 4e8), ("lean", 1.1e8)):
+        run_id = start_run(client, experiment_id, name, {"variant": name}, parent_run_id=parent)
+        logger = RunLogger(client, run_id)
+        metrics = {**RUNS["vanilla" if name == "vanilla" else "lean"], "samples_per_s": 1.0, "tokens_per_s": 1.0}
+        metrics.update(padding_fraction=0.1, optimizer_state_bytes=1.0, peak_activation_bytes=1.0, wall_time_s=1.0)
+        metrics.update(peak_rss_bytes=1.0, test_macro_f1=0.7, predicted_peak_train_memory_bytes=predicted)
+        logger.log_dict(metrics)
+        logger.close()
+    header, *body = comparison_table(load_rows(client, experiment_id, parent))
+    cells = {row[0]: dict(zip(header, row, strict=True)) for row in body}
+    assert cells["vanilla"]["Predicted peak"] == "381.5 MB (+0.0% vs measured)"
+    assert cells["lean"]["Predicted peak"] == "104.9 MB (+10.0% vs measured)"
