@@ -62,7 +62,7 @@ class CausalLmCollator(PadCollator):
         batch = super().__call__(indices)
         prompts = torch.from_numpy(self.prompt_lengths[np.asarray(indices)].astype(np.int64))
         batch["labels"] = mask_labels(batch["input_ids"], batch["attention_mask"], prompts, self.train_on_prompt)
-        return batch
+        return with_targets(batch)
 
 
 class PackedCausalLmCollator(PadCollator):
@@ -86,13 +86,36 @@ class PackedCausalLmCollator(PadCollator):
         starts = self.split.segment_starts
         batch["num_rows"] = torch.tensor(int((starts[np.asarray(indices) + 1] - starts[np.asarray(indices)]).sum()))
         del batch["attention_mask"]
-        return batch
+        return with_targets(batch)
 
 
 def target_counts(lengths: np.ndarray, prompt_lengths: np.ndarray, train_on_prompt: bool) -> np.ndarray:
     """Target tokens per row: positions 1..L-1 (the first token has nothing before it), after the prompt if masked."""
     first = np.ones_like(lengths) if train_on_prompt else np.maximum(prompt_lengths, 1)
     return np.maximum(lengths.astype(np.int64) - first, 0)
+
+
+def next_token_targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, targets), both (rows x K): the positions whose next token is a target, and that token.
+
+    K is the most targets any row has; a row with fewer fills its last slots with other
+    positions and IGNORE targets. Integer positions rather than a boolean mask: the collator computes them on the host,
+    so the step has no data-dependent shape (no device sync on CUDA, and a memory plan on fake
+    tensors can size it).
+    """
+    keep = labels[:, 1:] != IGNORE
+    k = max(int(keep.sum(1).max()) if keep.numel() else 0, 1)
+    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :k]  # target positions first, in order
+    order = torch.cat([order, order.new_zeros(len(order), max(k - order.shape[1], 0))], dim=1)
+    valid = torch.take_along_dim(keep, order, dim=1) if keep.shape[1] else torch.zeros_like(order, dtype=torch.bool)
+    targets = torch.where(valid, torch.take_along_dim(labels[:, 1:], order, dim=1), IGNORE)
+    return order, targets
+
+
+def with_targets(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch with `target_positions`/`target_labels` from its `labels` (see `next_token_targets`)."""
+    batch["target_positions"], batch["target_labels"] = next_token_targets(batch["labels"])
+    return batch
 
 
 def _keeps_logits(model: nn.Module) -> bool:
@@ -109,25 +132,25 @@ def next_token_loss(
     """(summed fp32 cross-entropy over target tokens, their count, how many the argmax got right).
 
     The vocabulary projection runs only at positions whose next token is a target
-    (`logits_to_keep` with a boolean mask): with the prompt masked that skips most of a row's
-    (rows x length x vocab) logits, the largest tensor of a small model's step. Models without
-    that argument get full logits, and the same loss.
+    (`logits_to_keep` with the collator's integer positions): with the prompt masked that skips
+    most of a row's (rows x length x vocab) logits, the largest tensor of a small model's step.
+    Models without that argument get full logits, and the same loss.
     """
-    labels = batch["labels"]
-    keep = torch.zeros_like(labels, dtype=torch.bool)
-    keep[:, :-1] = labels[:, 1:] != IGNORE
-    targets = labels[:, 1:][keep[:, :-1]]
+    if "target_positions" not in batch:  # a batch not from our collators (e.g. the batch-size probe)
+        batch = with_targets(dict(batch))
+    positions, targets = batch["target_positions"], batch["target_labels"]
     # A packed batch has position ids and no attention mask; training never needs a key/value cache.
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
     if _keeps_logits(model):
-        logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits
-        logits = logits.reshape(-1, logits.shape[-1])
+        logits = model(**inputs, use_cache=False, logits_to_keep=positions).logits
     else:
-        logits = model(**inputs, use_cache=False).logits[keep]
-    logits = logits.float()  # fp32 log-softmax even under autocast
-    total = F.cross_entropy(logits, targets, reduction="sum")
-    correct = (logits.detach().argmax(-1) == targets).sum()
-    return total, torch.tensor(len(targets), device=total.device), correct
+        logits = torch.take_along_dim(model(**inputs, use_cache=False).logits, positions[..., None], dim=1)
+    logits = logits.float().reshape(-1, logits.shape[-1])  # fp32 log-softmax even under autocast
+    targets = targets.reshape(-1)
+    total = F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum")
+    counted = targets != IGNORE
+    correct = ((logits.detach().argmax(-1) == targets) & counted).sum()
+    return total, counted.sum(), correct
 
 
 class CausalLmTask(Task):

@@ -47,9 +47,7 @@ def llama_case(default_params: Params, overrides: dict) -> tuple:
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
-# The Llama case is not planned yet: the causal-LM loss selects target positions with a boolean
-# mask (data-dependent shapes, which FakeTensorMode cannot size); see test_causal_lm_plan_is_refused_clearly.
-@pytest.mark.parametrize("case", [bert_case], ids=["bert"])
+@pytest.mark.parametrize("case", [bert_case, llama_case], ids=["bert", "llama"])
 def test_predicted_peak_is_within_15_percent_and_optimizer_state_is_exact(default_params, case, strategy):
     params, task, train, build = case(default_params, STRATEGIES[strategy])
     precision = params.precision if params.precision != "auto" else "fp32"
@@ -68,10 +66,15 @@ def test_predicted_peak_is_within_15_percent_and_optimizer_state_is_exact(defaul
     assert plan.parameters == measured["param_bytes"]
 
 
-def test_causal_lm_plan_is_refused_clearly(default_params):
-    params, task, train, build = llama_case(default_params, {})
-    with pytest.raises(NotImplementedError, match="data-dependent shapes"):
-        plan_memory(params, task, train, build, lambda model: model, 0, "fp32")
+def test_a_packed_causal_lm_is_planned_on_its_packs(default_params):
+    params, task, train, build = llama_case(default_params, {"data.packing": True, "data.max_length": 48})
+    model = build()
+    packed = task.training_split(train, params, model)
+    plan = plan_memory(params, task, packed, build, lambda model: model, 0, "fp32")
+    assert plan.batch_width == 48  # packs of the full length, not rows
+    torch.manual_seed(params.seed)
+    measured = train_model(build(), train, None, params, pad_id=0, device=CPU, precision="fp32", task=task).metrics
+    assert abs(plan.peak / measured["peak_train_memory_bytes"] - 1) <= PEAK_TOLERANCE
 
 
 def test_every_variant_is_planned_from_the_tokenized_split(default_params, tmp_path):

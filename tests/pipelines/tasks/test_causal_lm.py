@@ -15,7 +15,7 @@ from pipelines.data.tokenization import TOKENIZER_DIR, TokenizedSplit, train_cau
 from pipelines.evaluation import evaluate_saved_model
 from pipelines.params import Params
 from pipelines.tasks import get_task
-from pipelines.tasks.causal_lm import IGNORE, CausalLmCollator, mask_labels, target_counts
+from pipelines.tasks.causal_lm import IGNORE, CausalLmCollator, mask_labels, target_counts, with_targets
 from pipelines.train.engine import train_model
 from pipelines.train.steps import accumulate_window, window_units
 from tests.conftest import tiny_params
@@ -96,7 +96,7 @@ def test_only_response_tokens_count_unless_the_prompt_is_trained_on(default_para
 
     def loss_with(label_tokens: torch.Tensor, train_on_prompt: bool) -> float:
         labels = mask_labels(label_tokens, batch["attention_mask"], prompts, train_on_prompt)
-        return float(TASK.loss(model, {**batch, "labels": labels})[0])
+        return float(TASK.loss(model, with_targets({**batch, "labels": labels}))[0])
 
     tokens = batch["input_ids"]
     in_prompt, in_response = tokens.clone(), tokens.clone()
