@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -60,6 +61,9 @@ class MemoryPlan:
     batch_rows: int
     batch_width: int
     plan_time_s: float
+    step_flops: int = 0
+    model_flops: int = 0
+    positions: int = 0
 
     def as_metrics(self) -> dict[str, float]:
         """MLflow names: `predicted_*`, beside the measured `peak_train_memory_bytes` and its breakdown."""
@@ -71,12 +75,41 @@ class MemoryPlan:
             "predicted_optimizer_state_bytes": float(self.optimizer_state),
             "predicted_activation_bytes": float(self.activations),
             "plan_time_s": self.plan_time_s,
+            "predicted_step_flops": float(self.step_flops),
+            "model_flops_per_step": float(self.model_flops),
         }
+
+    def model_flops_per_position(self) -> float:
+        """Model FLOPs (no recompute) per (padded) position of the planned window: scales a run's FLOPs by positions."""
+        return self.model_flops / max(self.positions, 1)
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
     # Fake tensors have no data pointers to de-duplicate by; these tensors never share storage.
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def peak_micro_batches(batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """The micro-batches of a window that can set its peak: the first, then the largest of the rest.
+
+    Before the first backward no gradients exist; from the second on they do, at a fixed size, so
+    a later micro-batch's peak differs only by its activations, which grow with rows x width
+    (linear layers) or rows x width^2 (attention scores): the largest by each is kept. A window
+    of 32 one-row micro-batches is planned in three, not 32 (a search tries many such plans).
+    """
+    if len(batches) <= 3:
+        return batches
+    first, rest = batches[0], batches[1:]
+    shape = [tuple(b["input_ids"].shape) for b in rest]
+    by_area = max(range(len(rest)), key=lambda i: shape[i][0] * shape[i][1])
+    by_attention = max(range(len(rest)), key=lambda i: shape[i][0] * shape[i][1] ** 2)
+    return [first] + [rest[i] for i in sorted({by_area, by_attention})]
+
+
+def _count_flops(step: Callable[[object | None], None]) -> int:
+    with FlopCounterMode(display=False) as counter:
+        step(None)
+    return int(counter.get_total_flops())
 
 
 def _all_fake(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
@@ -121,6 +154,8 @@ def plan_memory(
         {k: v for k, v in batch.items() if k not in _HOST_COUNTS}
         for batch in make_loader(train, window, in_process, pad_id, CPU, None, task)
     ]
+    all_positions = sum(int(b["input_ids"].numel()) for b in batches)
+    batches = peak_micro_batches(batches)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         torch.manual_seed(params.seed)
@@ -130,7 +165,8 @@ def plan_memory(
         model.train()
         if params.grad_checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        optimizer = build_optimizer(params.optim, model, params.lr, params.weight_decay, CPU)
+        lr = params.lr if params.lr != "auto" else 1e-3  # the rate does not change memory
+        optimizer = build_optimizer(params.optim, model, lr, params.weight_decay, CPU)
         scaler = make_scaler(precision, CPU)
         trainable = [p for p in model.parameters() if p.requires_grad]
 
@@ -148,6 +184,15 @@ def plan_memory(
         try:
             with dropout:
                 peak = track_training_peak(model, optimizer, CPU, step)
+                # FLOPs of one more step, as torch counts them (matmuls, convolutions, attention); the
+                # model's FLOPs exclude checkpointing's recomputed forward, so that step runs without it.
+                step_flops = model_flops = _count_flops(step)
+                if params.grad_checkpointing:
+                    model.gradient_checkpointing_disable()
+                    model_flops = _count_flops(step)
+                # The planned micro-batches stand for the whole window: FLOPs scale with its positions.
+                scale = all_positions / sum(int(b["input_ids"].numel()) for b in batches)
+                step_flops, model_flops = int(step_flops * scale), int(model_flops * scale)
         except (DynamicOutputShapeException, DataDependentOutputException) as err:
             raise NotImplementedError(
                 f"task {task.name}: its training step has data-dependent shapes ({err}), which a plan on fake "
@@ -165,6 +210,9 @@ def plan_memory(
         batch_rows=sum(len(rows) for rows in window),
         batch_width=max(int(b["input_ids"].shape[1]) for b in batches),
         plan_time_s=time.perf_counter() - start,
+        step_flops=step_flops,
+        model_flops=model_flops,
+        positions=all_positions,
     )
 
 
@@ -219,31 +267,3 @@ def plan_table(plans: dict[str, MemoryPlan | str]) -> str:
         cells = [f"{value / MB:,.1f} MB" for value in (*sizes, plan.activations)]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {plan.batch_rows} x {plan.batch_width} |")
     return "\n".join(lines)
-
-
-def trial_prediction(
-    params: Params, task: Task, train: TokenizedSplit, tokenizer: object, tokenized: Path, root: Path,
-    precision: ResolvedPrecision,
-) -> tuple[dict[str, float], str]:  # fmt: skip
-    """A trial's plan as `predicted_*` metrics and a one-line note; no metrics (and the reason) when it cannot plan.
-
-    The global RNG is put back afterwards, so planning does not change the trial's training.
-    """
-    from pipelines.adapters import apply_adapter
-
-    rng = torch.get_rng_state()
-    try:
-        plan = plan_memory(
-            params,
-            task,
-            train,
-            lambda: task.build_model(params, tokenizer, tokenized, root),  # type: ignore[arg-type]
-            lambda model: apply_adapter(model, params.adapter, task, params),
-            tokenizer.pad_token_id,  # type: ignore[attr-defined]
-            precision,
-        )
-    except NotImplementedError as err:
-        return {}, f"not planned: {err}"
-    finally:
-        torch.set_rng_state(rng)
-    return plan.as_metrics(), f"planned in {plan.plan_time_s:.1f} s"

@@ -50,6 +50,44 @@ def _batch_size(value: Any) -> int | str:
 
 BatchSize = Annotated[int | Literal["auto"], PlainValidator(_batch_size, json_schema_input_type=int | str)]
 
+_BYTE_UNITS = {
+    "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}  # fmt: skip
+
+
+def parse_bytes(value: Any) -> int | None:
+    """Bytes from an integer or a string like "8GB" (10^9), "8GiB" (2^30) or "512 MB"; None stays None."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value
+    if isinstance(value, str):
+        text = value.strip().upper()
+        number = text.rstrip("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+        unit, number = text[len(number) :], number.strip()
+        try:
+            amount = float(number)
+        except ValueError:
+            amount = -1.0
+        if amount > 0 and unit in _BYTE_UNITS:
+            return int(amount * _BYTE_UNITS[unit])
+    raise PydanticCustomError(
+        "bytes",
+        "must be null, a positive number of bytes, or a size with a unit: B, KB, MB, GB, TB (powers of 1000) "
+        "or KiB, MiB, GiB, TiB (powers of 1024), e.g. '8GB' or '512MiB'",
+    )
+
+
+Bytes = Annotated[int | None, PlainValidator(parse_bytes, json_schema_input_type=int | str | None)]
+
+
+def _lr(value: Any) -> float | str:
+    if value == "auto" or (isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < 1):
+        return value if value == "auto" else float(value)
+    raise PydanticCustomError("lr", "must be a number greater than 0 and less than 1, or 'auto' (an LR range test)")
+
+
+LearningRate = Annotated[float | Literal["auto"], PlainValidator(_lr, json_schema_input_type=float | str)]
+
 
 class StrictModel(BaseModel):
     """Base for every params section: unknown keys are errors, assignments are validated."""
@@ -340,6 +378,29 @@ class DistributedParams(StrictModel):
     use_gpu: bool | None = Field(description="One GPU per worker; null: when the driver sees CUDA.")
 
 
+class LrRangeTestParams(StrictModel):
+    """`lr: auto`: an exponential sweep of the learning rate over a few steps (Smith 2015)."""
+
+    min_lr: PositiveFloat = Field(description="The sweep's first learning rate.")
+    max_lr: PositiveFloat = Field(description="The sweep's last learning rate (it stops earlier on divergence).")
+    num_steps: PositiveInt = Field(ge=5, description="Optimizer steps of the sweep (each one batch of the training split).")
+    smoothing: float = Field(ge=0.0, lt=1.0, description="Exponential smoothing of the loss (0: none).")
+    divergence: PositiveFloat = Field(
+        gt=1.0, description="Stop when the smoothed loss exceeds this many times its minimum so far."
+    )
+    rule: Literal["steepest", "valley", "min_divided"] = Field(
+        description="How the rate is read off the curve: steepest (most negative slope of the smoothed loss), "
+        "valley (steepest point within the longest descent before the minimum, as fastai's valley), or "
+        "min_divided (the rate at the minimum loss / 10)."
+    )
+
+    @model_validator(mode="after")
+    def _range(self) -> LrRangeTestParams:
+        if self.min_lr >= self.max_lr:
+            raise ValueError(f"lr_range_test.min_lr ({self.min_lr}) must be below max_lr ({self.max_lr})")
+        return self
+
+
 class TuneParams(StrictModel):
     """How the train stage runs its Ray Tune trials."""
 
@@ -406,7 +467,19 @@ class Params(StrictModel):
     )
     grad_accum_steps: PositiveInt = Field(description="Micro-batches accumulated per optimizer step.")
     grad_checkpointing: bool = Field(description="Recompute activations in backward to save memory.")
-    lr: PositiveFloat = Field(lt=1.0, description="Peak learning rate.")
+    lr: LearningRate = Field(
+        description="Peak learning rate, or `auto`: an LR range test on the training split picks it before training "
+        "(see lr_range_test; with lr_schedule: onecycle it is the cycle's maximum)."
+    )
+    lr_range_test: LrRangeTestParams = Field(description="The sweep `lr: auto` runs before training.")
+    memory_budget: Bytes = Field(
+        description="Training memory a trial may use (bytes, or e.g. '8GB', '8GiB'); null: no budget. A trial whose "
+        "memory plan does not fit is refused before training; with strategy: auto the fastest plan that fits is chosen."
+    )
+    strategy: Literal["manual", "auto"] = Field(
+        description="manual: train with the params as written; auto (needs memory_budget): choose precision, "
+        "micro-batch and accumulation, checkpointing, then a lean optimizer, then LoRA, by the memory plan."
+    )
     epochs: PositiveInt = Field(description="Passes over the training split.")
     seed: int = Field(ge=0, description="Seed for data splits, shuffling and initialisation.")
     lr_schedule: LrSchedule = Field(
@@ -503,6 +576,16 @@ class Params(StrictModel):
             )
         if self.task == "causal_lm" and not isinstance(self.data.text_column, str):
             raise ValueError("task: causal_lm reads one data.text_column (a string), not a list of columns")
+        if self.strategy == "auto" and self.memory_budget is None:
+            raise ValueError(
+                "strategy: auto chooses the fastest plan that fits memory_budget; set memory_budget (e.g. '8GB'), "
+                "or strategy: manual"
+            )
+        if self.distributed.num_workers > 1 and self.lr == "auto":
+            raise ValueError(
+                "lr: auto runs its range test in one process; with distributed.num_workers > 1 set lr explicitly "
+                "(run the test once with num_workers: 1, then use the lr_found it logs)"
+            )
         if self.distributed.num_workers > 1 and self.batch_size == "auto":
             raise ValueError(
                 "batch_size: auto probes one process's memory; with distributed.num_workers > 1 set batch_size "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import html
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +88,34 @@ def plot_loss_curves(client: MlflowClient, rows: list[TrialRow], path: Path) -> 
     plt.close(fig)
 
 
+def plot_lr_range(client: MlflowClient, rows: list[TrialRow], path: Path) -> bool:
+    """The LR range tests' smoothed loss against the rate (log axis), the chosen rate marked; False if none ran."""
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    drawn = False
+    for row in rows:
+        rates = {m.step: m.value for m in client.get_metric_history(row.run_id, "lr_range_lr")}
+        losses = sorted(client.get_metric_history(row.run_id, "lr_range_loss"), key=lambda m: m.step)
+        points = [(rates[m.step], m.value) for m in losses if m.step in rates]
+        if not points:
+            continue
+        line = ax.plot(*zip(*points, strict=True), label=row.name, linewidth=1.4)[0]
+        found = row.metrics.get("lr_found")
+        if found is not None:
+            ax.axvline(found, color=line.get_color(), linestyle="--", linewidth=1)
+        drawn = True
+    if drawn:
+        ax.set_xscale("log")
+        ax.set_xlabel("Learning rate (exponential sweep)")
+        ax.set_ylabel("Smoothed training loss")
+        ax.set_title("LR range test (dashed: the chosen rate)")
+        ax.grid(alpha=0.3)
+        ax.legend(title="Trial")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return drawn
+
+
 def plot_tradeoff(rows: list[TrialRow], path: Path) -> None:
     """Train time against accuracy, bubble size by peak memory, with the Pareto front (faster and better) marked."""
     quality = QUALITY_COLUMNS[task_of_rows(rows)][0]
@@ -162,6 +190,7 @@ FIGURES = (
     ("Training loss", "loss_curves.png"),
     ("Throughput", "throughput.png"),
 )
+LR_RANGE_FIGURE = ("LR range test", "lr_range.png")  # only when a trial ran one (lr: auto)
 
 
 @dataclass
@@ -174,6 +203,7 @@ class ReportContent:
     padding: str | None
     environment: dict[str, str]
     not_finished: list[str]
+    figures: tuple[tuple[str, str], ...] = field(default_factory=lambda: FIGURES)
 
 
 def _padding_text(rows: list[TrialRow]) -> str | None:
@@ -210,7 +240,7 @@ def render_markdown(content: ReportContent) -> str:
     """The report as GitHub markdown, images linked beside it."""
     lines = ["# Fine-tuning report", "", content.intro, "", markdown_table(content.table), ""]
     lines += [f"{note}\n" for note in content.notes]
-    lines += [f"![{title}]({name})\n" for title, name in FIGURES]
+    lines += [f"![{title}]({name})\n" for title, name in content.figures]
     if content.padding:
         lines += ["## Padding (train split)", "", content.padding, ""]
     lines += ["## Environment", ""] + [f"- {k}: {v}" for k, v in content.environment.items()] + [""]
@@ -232,7 +262,7 @@ def render_html(content: ReportContent, image_dir: Path) -> str:
     figures = "".join(
         f'<figure><img alt="{esc(title)}" src="data:image/png;base64,'
         f'{base64.b64encode((image_dir / name).read_bytes()).decode()}"><figcaption>{esc(title)}</figcaption></figure>'
-        for title, name in FIGURES
+        for title, name in content.figures
     )
     notes = "".join(f"<p>{code(note)}</p>" for note in content.notes)
     parts = [f"<h1>Fine-tuning report</h1><p>{code(content.intro)}</p>", table, notes, figures]
@@ -269,6 +299,8 @@ def build_report(client: MlflowClient, experiment_id: str, parent_run_id: str, o
     plot_loss_curves(client, rows, out_dir / "loss_curves.png")
     plot_throughput(rows, out_dir / "throughput.png")
     content = collect_content(rows, parent_run_id, experiment_id)
+    if plot_lr_range(client, rows, out_dir / LR_RANGE_FIGURE[1]):
+        content = replace(content, figures=(*content.figures, LR_RANGE_FIGURE))
     markdown = render_markdown(content)
     (out_dir / "report.md").write_text(markdown, encoding="utf-8")
     (out_dir / "report.html").write_text(render_html(content, out_dir), encoding="utf-8")

@@ -8,6 +8,7 @@ paths, the MLflow run tree), which never enters the search space.
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 import time
@@ -27,15 +28,17 @@ from pipelines.adapters import BASE_DIR, apply_adapter, save_base_reference, sav
 from pipelines.data.batching import padded_length
 from pipelines.data.tokenization import LABELS_FILE, TOKENIZER_DIR, TokenizedSplit
 from pipelines.errors import UserError
-from pipelines.memory_plan import trial_prediction
 from pipelines.model import set_attention
 from pipelines.params import Params, apply_overrides
+from pipelines.preflight import plan_before_training, plan_or_none, trial_planner
 from pipelines.tasks import get_task
 from pipelines.tracking import RunLogger, environment_tags, leave_retries_to_run_logger, log_params, start_run
 from pipelines.train.batch_size import resolve_batch_size
 from pipelines.train.checkpoint import claim_checkpoint_dir, discard
-from pipelines.train.device import resolve_device, resolve_pad_multiple, resolve_precision
+from pipelines.train.device import resolve_device, resolve_pad_multiple, resolve_precision, resolve_tf32
+from pipelines.train.flops import flops_metrics
 from pipelines.train.engine import train_model
+from pipelines.train.lr_range import LrRangeResult, resolve_lr
 from pipelines.train.memory import reset_peak_rss
 
 PARAMS_FILE = "params.json"
@@ -162,6 +165,16 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
     tune.report({**metrics, "mlflow_run_id": run_id, "variant": variant, FINAL_KEY: 1})
 
 
+def log_lr_range(logger: RunLogger, sweep: LrRangeResult) -> None:
+    """The range test's curve: as metrics by sweep step (the MLflow UI plots them) and as `lr_range.json`."""
+    for step, (lr, loss) in enumerate(zip(sweep.lrs, sweep.smoothed, strict=True)):
+        if not math.isfinite(loss):  # the step that diverged
+            continue
+        logger.log_dict({"lr_range_lr": lr, "lr_range_loss": loss}, step=step)
+    logger.log_tags({"lr_range_test": f"{sweep.rule}: lr {sweep.chosen:.3g} from {len(sweep.lrs)} steps"})
+    logger.client.log_text(logger.run_id, json.dumps(sweep.as_json(), indent=1), "lr_range.json")
+
+
 def train_and_save(
     params: Params,
     context: TrialContext,
@@ -190,34 +203,40 @@ def train_and_save(
     tokenizer = AutoTokenizer.from_pretrained(tokenized / TOKENIZER_DIR)
     task = get_task(params.task)
     device = device or resolve_device(params)
+    root = Path(context.root)
+    model = set_attention(task.build_model(params, tokenizer, tokenized, root), params.model)
+    train = task.training_split(TokenizedSplit.load(tokenized / "train"), params, model)  # packed, if asked
+    # Before any training: the memory plan, the budget and strategy (which may change the params).
+    planner = trial_planner(task, train, tokenizer, tokenized, root, device)
+    preflight = plan_before_training(params, planner, device)
+    params = preflight.params
     precision = resolve_precision(params, device)
     if logger:
         logger.log_tags({"precision.resolved": precision, "device.resolved": str(device), "task": params.task})
-    model = set_attention(task.build_model(params, tokenizer, tokenized, Path(context.root)), params.model)
     out = Path(context.staging_dir) / trial_id
     if params.adapter.type != "none" and not params.adapter.merge and rank == 0:
         # What the adapter needs to be loaded again: a random base's weights, or where a pretrained one is.
         if params.model.name_or_path is None:
             model.save_pretrained(out / BASE_DIR, safe_serialization=True)
         else:
-            save_base_reference(params, Path(context.root), out)
+            save_base_reference(params, root, out)
     model = apply_adapter(model, params.adapter, task, params)
     if rank:
         torch.manual_seed(params.seed + rank)  # own dropout masks per rank
-    train = task.training_split(TokenizedSplit.load(tokenized / "train"), params, model)  # packed, if asked
     longest = int(train.lengths.max())
     if params.data.bucketing:
         longest = padded_length(longest, resolve_pad_multiple(params, device))
+    probed = params.batch_size == "auto"  # still auto: CUDA without a budget, probed for real
     params = resolve_batch_size(
         params, model, longest if params.data.bucketing else params.data.max_length, device, precision
     )
+    plan = plan_or_none(planner, params) if probed and rank == 0 else preflight.plan
+    params, sweep = resolve_lr(params, model, train, tokenizer.pad_token_id, device, precision, task)
     if logger:
-        # The memory plan, before training, logged beside what the trial then measures.
-        predicted, plan_note = trial_prediction(
-            params, task, train, tokenizer, tokenized, Path(context.root), precision
-        )
-        logger.log_dict(predicted)
-        logger.log_tags({"memory_plan": plan_note})
+        logger.log_dict({**(plan.as_metrics() if plan else {}), **(sweep.as_metrics() if sweep else {})})
+        logger.log_tags({"memory_plan": preflight.note})
+        if sweep:
+            log_lr_range(logger, sweep)
         logger.log_tags(
             {"batch_size.resolved": str(params.batch_size), "grad_accum_steps.resolved": str(params.grad_accum_steps)}
         )
@@ -274,6 +293,10 @@ def train_and_save(
     (out / PARAMS_FILE).write_text(json.dumps(params.model_dump(mode="json"), indent=2, sort_keys=True) + "\n")
     (out / "history.json").write_text(json.dumps(result.history) + "\n")
     metrics = {**result.metrics, **evaluation.metrics, "test_eval_time_s": test_eval_time}
+    if plan is not None:  # achieved model FLOP/s (and MFU on a known GPU), from the plan's FLOPs per position
+        tf32 = resolve_tf32(params, precision, device)
+        flops_per_position = plan.model_flops_per_position()
+        metrics |= flops_metrics(flops_per_position, metrics, device, precision, tf32, params.distributed.num_workers)
     metrics["setup_time_s"] += setup_before_engine
     metrics["save_time_s"] = time.perf_counter() - save_start
     (out / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")

@@ -208,6 +208,8 @@ def _train(
     )
     accum = params.grad_accum_steps
     total_steps = sum(math.ceil(len(sampler.batches(e)) / accum) for e in range(params.epochs))
+    if params.lr == "auto":
+        raise ValueError("lr: auto is resolved before training (pipelines.train.lr_range.resolve_lr)")
     optimizer = build_optimizer(params.optim, model, params.lr, params.weight_decay, device)
     scheduler = build_scheduler(
         params.lr_schedule, optimizer, params.lr, total_steps, int(params.warmup_ratio * total_steps)

@@ -1,0 +1,218 @@
+"""`memory_budget` and `strategy: auto`: choose, before training, a plan whose predicted peak fits.
+
+Every candidate is judged by its memory plan (`pipelines.memory_plan`: the trial's own step on
+fake tensors), so nothing is allocated while choosing. Candidates come in tiers, and a later
+tier is tried only when nothing in the earlier ones fits, because later tiers change what is
+trained, not just how:
+
+0. the same model and optimizer: precision, checkpointing, and accumulation with the largest
+   micro-batch that fits (micro-batch x accumulation = the effective batch, exactly);
+1. a memory-lean optimizer (Adafactor; 8-bit AdamW on CUDA with bitsandbytes), same grid;
+2. LoRA (the adapter section's rank and targets, with Adafactor as well), when the run has none.
+
+Within a tier the plan with the highest predicted throughput wins: the fewest executed FLOPs per
+optimizer step (torch's FlopCounterMode on the same fake step: checkpointing's recompute and
+LoRA's skipped weight gradients show in it) divided by the precision's relative speed (on CUDA
+16-bit matmuls count 2x: the ratio of dense bf16 to TF32 peaks; on a CPU 1x, since autocast's bf16
+is not reliably faster there). Ties go to the larger micro-batch (fewer, fuller kernels), then to
+the fewest changes from the params as written.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from pipelines.errors import UserError
+from pipelines.memory_plan import MB, MemoryPlan
+from pipelines.params import Params, apply_overrides
+
+Planner = Callable[[Params], MemoryPlan]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The params a trial trains with, their plan, and why they were chosen (a tag and a log line)."""
+
+    params: Params
+    plan: MemoryPlan
+    why: str
+
+
+def size(n: float) -> str:
+    """Bytes in MB of 2^20 (KB of 2^10 below one MB), as the report and the plan table write them."""
+    return f"{n / MB:,.1f} MB" if n >= MB else f"{n / 1024:,.1f} KB"
+
+
+def describe(plan: MemoryPlan) -> str:
+    """A plan's peak and breakdown in one line."""
+    return (
+        f"{size(plan.peak)} (parameters {size(plan.parameters)}, gradients {size(plan.gradients)}, optimizer state "
+        f"{size(plan.optimizer_state)}, activations {size(plan.activations)}; batch {plan.batch_rows} x "
+        f"{plan.batch_width})"
+    )
+
+
+def effective_batch(params: Params) -> int:
+    """Rows per optimizer step, as the params ask for them."""
+    if params.batch_size == "auto":
+        assert params.effective_batch_size is not None
+        return params.effective_batch_size
+    return params.batch_size * params.grad_accum_steps
+
+
+def _micro_batches(params: Params) -> list[int]:
+    effective = effective_batch(params)
+    return [d for d in range(effective, 0, -1) if effective % d == 0]
+
+
+def _batch(params: Params, rows: int) -> dict[str, object]:
+    return {"batch_size": rows, "grad_accum_steps": effective_batch(params) // rows, "effective_batch_size": None}
+
+
+def largest_fitting_batch(params: Params, plan: Planner, budget: int) -> tuple[Params, MemoryPlan] | None:
+    """The params with the largest micro-batch (divisor of the effective batch) whose plan fits, or None.
+
+    Plans grow with the micro-batch, so the largest fitting divisor is found by bisection, the
+    largest tried first: a few plans, not one per divisor (small micro-batches, which make long
+    windows, are planned only when the larger ones do not fit).
+    """
+    sizes = _micro_batches(params)[::-1]  # ascending
+    best: tuple[Params, MemoryPlan] | None = None
+    low, high, middle = 0, len(sizes) - 1, len(sizes) - 1
+    while low <= high:
+        candidate = apply_overrides(params, _batch(params, sizes[middle]))
+        predicted = plan(candidate)
+        if predicted.peak <= budget:
+            best, low = (candidate, predicted), middle + 1
+        else:
+            high = middle - 1
+        middle = (low + high) // 2
+    return best
+
+
+def _precisions(device: torch.device) -> list[str]:
+    if device.type == "cuda":
+        return ["bf16" if torch.cuda.is_bf16_supported() else "fp16", "fp32"]
+    return ["fp32", "bf16"]
+
+
+def precision_speed(precision: str, device: torch.device) -> float:
+    """Relative matmul speed of a precision on this device (see the module docstring)."""
+    return 2.0 if device.type == "cuda" and precision in ("bf16", "fp16") else 1.0
+
+
+def _tiers(params: Params, device: torch.device, lora_allowed: bool) -> Iterator[list[dict[str, object]]]:
+    optimizers = ["adafactor"]
+    if device.type == "cuda" and importlib.util.find_spec("bitsandbytes") is not None:
+        optimizers.append("adamw_8bit")
+    lean = [{"optim": name} for name in optimizers if name != params.optim]
+    yield [{}]
+    yield lean
+    if lora_allowed and params.adapter.type == "none":
+        yield [{"adapter.type": "lora", **extra} for extra in ({}, *lean)]
+
+
+def _changes(params: Params, chosen: Params) -> list[str]:
+    keys = ("precision", "grad_checkpointing", "optim", "batch_size", "grad_accum_steps")
+    changed = [f"{key}: {getattr(chosen, key)}" for key in keys if getattr(chosen, key) != getattr(params, key)]
+    if chosen.adapter.type != params.adapter.type:
+        changed.append(f"adapter.type: {chosen.adapter.type}")
+    return changed
+
+
+def memoized(plan: Planner) -> Planner:
+    """`plan`, computed once per distinct params (the search asks for some twice)."""
+    cache: dict[str, MemoryPlan] = {}
+
+    def cached(params: Params) -> MemoryPlan:
+        key = params.model_dump_json()
+        if key not in cache:
+            cache[key] = plan(params)
+        return cache[key]
+
+    return cached
+
+
+def choose_strategy(params: Params, plan: Planner, device: torch.device, lora_allowed: bool = True) -> Choice:
+    """`strategy: auto`: the fastest predicted plan that fits `memory_budget`, from the earliest tier with one."""
+    budget = params.memory_budget
+    plan = memoized(plan)
+    assert budget is not None, "strategy: auto needs memory_budget (the schema says so)"
+    # Refuse fast: every lever at its leanest (1 row per micro-batch, lean optimizer, LoRA), with
+    # and without checkpointing and 16-bit, which can cost more than they save on a tiny step.
+    lean: dict[str, object] = {"optim": "adafactor"}  # factored: the smallest optimizer state we have
+    if lora_allowed and params.adapter.type == "none":
+        lean["adapter.type"] = "lora"
+    leanest = min(
+        (
+            (candidate, plan(candidate))
+            for candidate in (
+                apply_overrides(params, {**lean, **_batch(params, 1), "precision": precision, "grad_checkpointing": c})
+                for precision in _precisions(device)
+                for c in (False, True)
+            )
+        ),
+        key=lambda found: found[1].peak,
+    )
+    if leanest[1].peak > budget:
+        raise UserError(
+            f"memory_budget = {size(budget)}: no plan fits, with any precision, checkpointing, micro-batch down to "
+            f"1 row, a lean optimizer{' or LoRA' if lora_allowed else ''}; the leanest "
+            f"({', '.join(_changes(params, leanest[0]))}) needs {describe(leanest[1])}. Raise memory_budget, "
+            "shorten data.max_length, or use a smaller model"
+        )
+    for tier, changes in enumerate(_tiers(params, device, lora_allowed)):
+        fits: list[tuple[float, int, int, Params, MemoryPlan]] = []
+        for change in changes:
+            for precision in _precisions(device):
+                for checkpointing in (False, True):
+                    candidate = apply_overrides(
+                        params, {**change, "precision": precision, "grad_checkpointing": checkpointing}
+                    )
+                    found = largest_fitting_batch(candidate, plan, budget)
+                    if found is None:
+                        continue
+                    chosen, predicted = found
+                    seconds = predicted.step_flops / precision_speed(precision, device)
+                    fits.append((seconds, chosen.grad_accum_steps, len(_changes(params, chosen)), chosen, predicted))
+        if fits:
+            seconds, _, _, chosen, predicted = min(fits, key=lambda fit: fit[:3])
+            changed = ", ".join(_changes(params, chosen)) or "nothing changed"
+            why = (
+                f"strategy auto (tier {tier} of 2, {len(fits)} plans fit memory_budget {size(budget)}): {changed}; "
+                f"predicted peak {describe(predicted)}; {predicted.step_flops / 1e9:,.2f} GFLOP per step"
+            )
+            return Choice(chosen, predicted, why)
+    raise AssertionError("the leanest plan fits, so some tier has a plan that fits")
+
+
+def fit_to_budget(params: Params, plan: Planner, device: torch.device, lora_allowed: bool = True) -> Choice | None:
+    """The params to train with under `memory_budget` (None without a budget); refuse what cannot fit.
+
+    `strategy: manual` keeps the params (with `batch_size: auto`, the largest micro-batch that fits)
+    and refuses them, before training, when their plan does not fit; `strategy: auto` chooses.
+    """
+    budget = params.memory_budget
+    if budget is None:
+        return None
+    if params.strategy == "auto":
+        return choose_strategy(params, plan, device, lora_allowed)
+    if params.batch_size == "auto":
+        found = largest_fitting_batch(params, plan, budget)
+        if found is not None:
+            chosen, predicted = found
+            why = f"batch_size auto: {chosen.batch_size} rows x {chosen.grad_accum_steps} by the memory plan"
+            return Choice(chosen, predicted, f"{why}, predicted peak {describe(predicted)}")
+        params = apply_overrides(params, _batch(params, 1))
+    predicted = plan(params)
+    if predicted.peak > budget:
+        raise UserError(
+            f"memory_budget = {size(budget)}: this trial's memory plan needs {describe(predicted)}. Set strategy: "
+            "auto to choose precision, checkpointing, accumulation, optimizer and adapter that fit, or raise "
+            "memory_budget"
+        )
+    return Choice(params, predicted, f"fits memory_budget {size(budget)}: predicted peak {describe(predicted)}")

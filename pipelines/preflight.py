@@ -1,0 +1,96 @@
+"""What a trial decides before training, from its memory plan: budget, strategy, micro-batch.
+
+The trial calls `plan_before_training` once its base model and training split exist. It plans
+the params (the trial's own first step on fake tensors), applies `memory_budget` and
+`strategy: auto` (`pipelines.budget`), and sizes `batch_size: auto` by the plan where it can,
+so a run that would not fit is refused before any training, with the plan in the message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from pipelines.adapters import apply_adapter
+from pipelines.budget import Planner, describe, fit_to_budget, largest_fitting_batch
+from pipelines.data.tokenization import TokenizedSplit
+from pipelines.errors import UserError
+from pipelines.memory_plan import MemoryPlan, plan_memory
+from pipelines.params import Params
+from pipelines.tasks.base import Task
+from pipelines.train.batch_size import CPU_MEMORY_SHARE
+from pipelines.train.device import resolve_precision
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """The params to train with, their plan (None when the task cannot be planned), and a note on both."""
+
+    params: Params
+    plan: MemoryPlan | None
+    note: str
+
+
+def trial_planner(
+    task: Task, train: TokenizedSplit, tokenizer: PreTrainedTokenizerBase, tokenized: Path, root: Path,
+    device: torch.device,
+) -> Planner:  # fmt: skip
+    """Plans of params for this trial's task and training split; the global RNG is left as it was."""
+
+    def plan(params: Params) -> MemoryPlan:
+        rng = torch.get_rng_state()
+        try:
+            return plan_memory(
+                params,
+                task,
+                train,
+                lambda: task.build_model(params, tokenizer, tokenized, root),
+                lambda model: apply_adapter(model, params.adapter, task, params),
+                int(tokenizer.pad_token_id),  # type: ignore[arg-type]
+                resolve_precision(params, device),
+            )
+        finally:
+            torch.set_rng_state(rng)
+
+    return plan
+
+
+def plan_before_training(params: Params, plan: Planner, device: torch.device) -> Preflight:
+    """Apply the budget and strategy, size `batch_size: auto` on CPU by the plan; plan what will train.
+
+    Without a budget, `batch_size: auto` on CPU keeps the largest micro-batch whose plan fits a
+    share of the available RAM; on CUDA it stays with the real probe (`resolve_batch_size`),
+    which also sees the allocator's rounding and the CUDA context that a plan does not count.
+    """
+    try:
+        choice = fit_to_budget(params, plan, device)
+        if choice is not None:
+            return Preflight(choice.params, choice.plan, choice.why)
+        if params.batch_size == "auto" and device.type == "cpu":
+            budget = int(psutil.virtual_memory().available * CPU_MEMORY_SHARE)
+            found = largest_fitting_batch(params, plan, budget)
+            if found is None:
+                raise UserError("batch_size: auto found that not even one row of the longest length fits in memory")
+            chosen, predicted = found
+            note = f"batch_size auto: {chosen.batch_size} rows x {chosen.grad_accum_steps} by the memory plan"
+            return Preflight(chosen, predicted, f"{note}; predicted peak {describe(predicted)}")
+        if params.batch_size == "auto":
+            return Preflight(params, None, "batch_size auto: probed on the device")
+        predicted = plan(params)
+        return Preflight(params, predicted, f"planned in {predicted.plan_time_s:.1f} s")
+    except NotImplementedError as err:
+        if params.memory_budget is not None:
+            raise UserError(f"memory_budget needs a memory plan, and this run has none: {err}") from None
+        return Preflight(params, None, f"not planned: {err}")
+
+
+def plan_or_none(plan: Planner, params: Params) -> MemoryPlan | None:
+    """The plan of `params`, or None when the task cannot be planned."""
+    try:
+        return plan(params)
+    except NotImplementedError:
+        return None

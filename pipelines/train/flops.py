@@ -1,0 +1,59 @@
+"""Achieved model FLOP/s and, on known GPUs, model FLOPs utilization (MFU).
+
+Model FLOPs come from the memory plan's step (`pipelines.memory_plan`): torch's
+`FlopCounterMode` counts the matmuls, convolutions and attention of one optimizer step of the
+trial's own code (forward, backward and LoRA's skipped weight gradients as they run), without
+checkpointing's recomputed forward, which is not model work. Divided by the step's (padded)
+positions it gives FLOPs per position, and the run's positions per second of the timed steps
+turn that into FLOP/s. The planned step is the longest window, so attention's quadratic share
+is that of the longest rows: for bucketed short batches the figure is a slight over-estimate.
+
+MFU divides by the dense peak of the device for the precision the matmuls ran in (16-bit, TF32 or
+plain fp32), from NVIDIA's data sheets; an unknown GPU or a CPU gets no MFU rather than a guess.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Dense (no sparsity) peak TFLOP/s from NVIDIA's data sheets: (16-bit, TF32, fp32).
+GPU_PEAK_TFLOPS = {
+    "H200": (989.4, 494.7, 66.9),
+    "H100 SXM": (989.4, 494.7, 66.9),
+    "H100 80GB HBM3": (989.4, 494.7, 66.9),  # the SXM part's device name
+    "H100 NVL": (835.0, 417.5, 60.0),
+    "H100 PCIe": (756.0, 378.0, 51.2),
+    "A100": (312.0, 156.0, 19.5),
+    "L40S": (362.1, 183.0, 91.6),
+    "L4": (121.0, 60.0, 30.3),
+    "A10G": (70.0, 35.0, 31.2),
+    "A10": (125.0, 62.5, 31.2),
+    "V100": (125.0, 15.7, 15.7),  # no TF32: fp32 matmuls run at the fp32 rate
+    "T4": (65.0, 8.1, 8.1),
+}
+
+
+def gpu_peak_flops(name: str, precision: str, tf32: bool) -> float | None:
+    """The dense peak FLOP/s of the named GPU for the matmul precision, or None for a GPU not in the table."""
+    for key, (half, tf32_peak, fp32) in GPU_PEAK_TFLOPS.items():  # most specific names first
+        if key in name:
+            peak = half if precision in ("bf16", "fp16") else tf32_peak if tf32 else fp32
+            return peak * 1e12
+    return None
+
+
+def flops_metrics(
+    flops_per_position: float, metrics: dict[str, float], device: torch.device, precision: str, tf32: bool,
+    world_size: int = 1,
+) -> dict[str, float]:  # fmt: skip
+    """`model_tflops_per_s` from the run's timed positions per second, and `mfu` on a GPU the table knows."""
+    padding = metrics.get("padding_fraction", 0.0)
+    tokens_per_s = metrics.get("tokens_per_s", float("nan"))
+    positions_per_s = tokens_per_s / (1.0 - padding) if padding < 1.0 else float("nan")
+    achieved = flops_per_position * positions_per_s
+    out = {"model_tflops_per_s": achieved / 1e12}
+    if device.type == "cuda":
+        peak = gpu_peak_flops(torch.cuda.get_device_name(device), precision, tf32)
+        if peak is not None:
+            out["mfu"] = achieved / (peak * world_size)
+    return out
