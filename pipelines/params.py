@@ -389,9 +389,9 @@ class LrRangeTestParams(StrictModel):
         gt=1.0, description="Stop when the smoothed loss exceeds this many times its minimum so far."
     )
     rule: Literal["steepest", "valley", "min_divided"] = Field(
-        description="How the rate is read off the curve: steepest (most negative slope of the smoothed loss), "
-        "valley (steepest point within the longest descent before the minimum, as fastai's valley), or "
-        "min_divided (the rate at the minimum loss / 10)."
+        description="How the rate is read off the curve: min_divided (the rate at the minimum smoothed loss / 10; "
+        "robust to the flat curves of models trained from scratch), valley (fastai's: halfway down the longest "
+        "descent of the smoothed loss) or steepest (most negative slope of the smoothed loss before its minimum)."
     )
 
     @model_validator(mode="after")

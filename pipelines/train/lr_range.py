@@ -5,11 +5,13 @@ the learning rate grows exponentially from `lr_range_test.min_lr` to `max_lr`, o
 step per window. The loss is smoothed (bias-corrected exponential average) and the sweep stops
 once it exceeds `divergence` x its minimum. The rate is read off the curve by `rule`:
 
-- `valley`: fastai's rule (its `valley` suggestion): the longest stretch over which the smoothed
-  loss keeps decreasing, and a point about halfway down it, before the minimum, where the loss
-  still falls steeply. The default: robust to a noisy curve, and well below the divergence edge;
-- `steepest`: the most negative slope of the smoothed loss against log(lr);
-- `min_divided`: the rate at the minimum smoothed loss, divided by 10.
+- `min_divided` (the default): the rate at the minimum smoothed loss, divided by 10 (fastai's
+  older `lr_min / 10`). A model trained from scratch keeps a flat loss until just before it
+  diverges, so slope-based rules read noise; the minimum is robust to that (see
+  `benchmarks/RESULTS.md`, "LR range test");
+- `valley`: fastai's newer rule (its `valley` suggestion): the longest stretch over which the
+  smoothed loss keeps decreasing, and a point about halfway down it;
+- `steepest`: the most negative slope of the smoothed loss against log(lr), before its minimum.
 
 The weights, buffers and RNG are put back afterwards, so training starts from the
 same initialization as with a fixed rate. The sweep is timed on its own (`lr_range_time_s`), out

@@ -1,0 +1,104 @@
+"""`lr: auto` against a grid of fixed rates, on the default pipeline (params.yaml, generated data, CPU).
+
+    python -m benchmarks.bench_lr [--json PATH]
+
+Tokenizes as the tokenize stage does, then trains the default model once per rate of the grid
+{1e-4, 3e-4, 1e-3, 3e-3, 1e-2} and once with `lr: auto` (the range test picks the rate, then
+trains with it), all from the same initialization and batches, and scores each on the test
+split with its 95% Wilson interval. `lr: auto` passes when its accuracy lies within the best
+grid rate's interval. The sweep's own time is printed beside a training's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GRID = [1e-4, 3e-4, 1e-3, 3e-3, 1e-2]
+RULES = ("min_divided", "valley", "steepest")
+
+
+def run_one(lr: float | str, tokenized: Path, root: Path, rule: str | None = None) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from pipelines.data.tokenization import TOKENIZER_DIR, TokenizedSplit
+    from pipelines.params import apply_overrides, load_params
+    from pipelines.tasks import get_task
+    from pipelines.train.engine import train_model
+    from pipelines.train.lr_range import resolve_lr
+
+    overrides: dict[str, Any] = {"lr": lr, "device": "cpu"}
+    if rule is not None:
+        overrides["lr_range_test.rule"] = rule
+    params = apply_overrides(load_params(root / "params.yaml"), overrides)
+    torch.set_num_threads(2)
+    torch.manual_seed(params.seed)
+    tokenizer = AutoTokenizer.from_pretrained(tokenized / TOKENIZER_DIR)
+    task = get_task(params.task)
+    model = task.build_model(params, tokenizer, tokenized, root)
+    train = TokenizedSplit.load(tokenized / "train")
+    start = time.perf_counter()
+    params, sweep = resolve_lr(params, model, train, tokenizer.pad_token_id, torch.device("cpu"), "fp32", task)
+    sweep_s = time.perf_counter() - start
+    result = train_model(
+        model, train, TokenizedSplit.load(tokenized / "validation"), params,
+        pad_id=tokenizer.pad_token_id, device=torch.device("cpu"), precision="fp32", task=task,
+    )  # fmt: skip
+    test = TokenizedSplit.load(tokenized / "test")
+    metrics = task.evaluate(model, tokenizer, test, tokenized, params, torch.device("cpu"), "fp32").metrics
+    return {
+        "lr": params.lr,
+        "auto": sweep is not None,
+        "rule": params.lr_range_test.rule if sweep is not None else None,
+        "sweep_s": sweep_s if sweep is not None else 0.0,
+        "sweep_steps": len(sweep.lrs) if sweep is not None else 0,
+        "train_time_s": result.metrics["train_time_s"],
+        "accuracy": metrics["test_accuracy"],
+        "low": metrics["test_accuracy_ci_low"],
+        "high": metrics["test_accuracy_ci_high"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, default=Path(__file__).with_name("bench_lr_results.json"))
+    args = parser.parse_args()
+    from pipelines.data.prepare import prepare_dataset
+    from pipelines.params import load_params
+
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenized = Path(tmp) / "tokenized"
+        prepare_dataset(load_params(root / "params.yaml"), root, tokenized)
+        default_rule = load_params(root / "params.yaml").lr_range_test.rule
+        others = [rule for rule in RULES if rule != default_rule]
+        rows = [run_one(lr, tokenized, root) for lr in GRID] + [run_one("auto", tokenized, root)]
+        rows += [run_one("auto", tokenized, root, rule) for rule in others]
+    best = max((r for r in rows if not r["auto"]), key=lambda r: r["accuracy"])
+    auto = rows[len(GRID)]  # the default rule's
+    print("| lr | Test accuracy (95% CI) | Train time | LR sweep |")
+    print("|---|---|---|---|")
+    for r in rows:
+        name = f"auto ({r['rule']}) -> {r['lr']:.3g}" if r["auto"] else f"{r['lr']:g}"
+        sweep = f"{r['sweep_s']:.1f} s ({r['sweep_steps']} steps)" if r["auto"] else ""
+        print(
+            f"| {name} | {100 * r['accuracy']:.1f}% ({100 * r['low']:.1f}-{100 * r['high']:.1f}) "
+            f"| {r['train_time_s']:.1f} s | {sweep} |"
+        )
+    inside = best["low"] <= auto["accuracy"] <= best["high"]
+    print(
+        f"\nbest grid rate {best['lr']:g}: {100 * best['accuracy']:.1f}%; lr: auto ({auto['rule']}, the default) chose {auto['lr']:.3g}: "
+        f"{100 * auto['accuracy']:.1f}%, {'within' if inside else 'OUTSIDE'} the best one's interval; "
+        f"the sweep cost {auto['sweep_s'] / auto['train_time_s']:.0%} of a training's time"
+    )
+    args.json.write_text(json.dumps({"rows": rows, "auto_within_best_interval": inside}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
