@@ -93,7 +93,8 @@ def main() -> None:
         )
     inside = best["low"] <= auto["accuracy"] <= best["high"]
     print(
-        f"\nbest grid rate {best['lr']:g}: {100 * best['accuracy']:.1f}%; lr: auto ({auto['rule']}, the default) chose {auto['lr']:.3g}: "
+        f"\nbest grid rate {best['lr']:g}: {100 * best['accuracy']:.1f}%; "
+        f"lr: auto ({auto['rule']}, the default) chose {auto['lr']:.3g}: "
         f"{100 * auto['accuracy']:.1f}%, {'within' if inside else 'OUTSIDE'} the best one's interval; "
         f"the sweep cost {auto['sweep_s'] / auto['train_time_s']:.0%} of a training's time"
     )

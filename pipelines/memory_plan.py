@@ -26,15 +26,14 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensor,
     FakeTensorMode,
 )
+from torch.utils.flop_counter import FlopCounterMode
 
-from pipelines.data.batching import LengthGroupedBatchSampler
 from pipelines.data.tokenization import TOKENIZER_DIR, TokenizedSplit
 from pipelines.params import Params, apply_overrides
 from pipelines.tasks.base import Task
@@ -42,7 +41,14 @@ from pipelines.train.device import ResolvedPrecision
 from pipelines.train.fast_dropout import fast_dropout
 from pipelines.train.memory import track_training_peak
 from pipelines.train.optim import build_optimizer
-from pipelines.train.steps import backward_micro_batch, make_loader, make_scaler, plan_windows, window_units
+from pipelines.train.steps import (
+    backward_micro_batch,
+    make_loader,
+    make_scaler,
+    plan_windows,
+    training_sampler,
+    window_units,
+)
 
 CPU = torch.device("cpu")
 _HOST_COUNTS = ("num_rows", "num_tokens")  # host-side counters of a batch, not model inputs
@@ -140,13 +146,7 @@ def plan_memory(
     for real). Predicts CPU-allocated bytes, what the trial measures on CPU.
     """
     start = time.perf_counter()
-    sampler = LengthGroupedBatchSampler(
-        train.lengths,
-        params.batch_size,
-        bucketing=params.data.bucketing,
-        seed=params.seed,
-        max_tokens=params.data.max_tokens_per_batch,
-    )
+    sampler = training_sampler(train, params)
     window = plan_windows(sampler.batches(0), params.grad_accum_steps)[0]
     units = window_units(window, task.loss_units(train, params))
     in_process = params.model_copy(update={"num_workers": 0, "persistent_workers": False})

@@ -383,7 +383,9 @@ class LrRangeTestParams(StrictModel):
 
     min_lr: PositiveFloat = Field(description="The sweep's first learning rate.")
     max_lr: PositiveFloat = Field(description="The sweep's last learning rate (it stops earlier on divergence).")
-    num_steps: PositiveInt = Field(ge=5, description="Optimizer steps of the sweep (each one batch of the training split).")
+    num_steps: PositiveInt = Field(
+        ge=5, description="Optimizer steps of the sweep (each one batch of the training split)."
+    )
     smoothing: float = Field(ge=0.0, lt=1.0, description="Exponential smoothing of the loss (0: none).")
     divergence: PositiveFloat = Field(
         gt=1.0, description="Stop when the smoothed loss exceeds this many times its minimum so far."

@@ -36,8 +36,8 @@ from pipelines.tracking import RunLogger, environment_tags, leave_retries_to_run
 from pipelines.train.batch_size import resolve_batch_size
 from pipelines.train.checkpoint import claim_checkpoint_dir, discard
 from pipelines.train.device import resolve_device, resolve_pad_multiple, resolve_precision, resolve_tf32
-from pipelines.train.flops import flops_metrics
 from pipelines.train.engine import train_model
+from pipelines.train.flops import flops_metrics
 from pipelines.train.lr_range import LrRangeResult, resolve_lr
 from pipelines.train.memory import reset_peak_rss
 

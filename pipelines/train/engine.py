@@ -23,7 +23,6 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from pipelines.data.batching import LengthGroupedBatchSampler
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.params import Params
@@ -42,6 +41,7 @@ from pipelines.train.steps import (
     optimizer_step,
     plan_windows,
     task_of,
+    training_sampler,
     window_units,
 )
 from pipelines.train.timing import StepClock, timed
@@ -197,15 +197,7 @@ def _train(
         apply_tf32(tf32)
     rank, world_size = world()
     pad_multiple = resolve_pad_multiple(params, device)
-    sampler = LengthGroupedBatchSampler(
-        train.lengths,
-        params.batch_size,
-        bucketing=params.data.bucketing,
-        seed=params.seed,
-        max_tokens=params.data.max_tokens_per_batch,
-        num_replicas=world_size,
-        rank=rank,
-    )
+    sampler = training_sampler(train, params, world_size, rank)
     accum = params.grad_accum_steps
     total_steps = sum(math.ceil(len(sampler.batches(e)) / accum) for e in range(params.epochs))
     if params.lr == "auto":

@@ -29,13 +29,20 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipelines.data.batching import LengthGroupedBatchSampler
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.params import LrRangeTestParams, Params, apply_overrides
 from pipelines.tasks.base import Task
 from pipelines.train.device import ResolvedPrecision, resolve_pad_multiple
 from pipelines.train.optim import build_optimizer
-from pipelines.train.steps import accumulate_window, make_loader, make_scaler, optimizer_step, plan_windows, window_units
+from pipelines.train.steps import (
+    accumulate_window,
+    make_loader,
+    make_scaler,
+    optimizer_step,
+    plan_windows,
+    training_sampler,
+    window_units,
+)
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,13 @@ class LrRangeResult:
 
     def as_json(self) -> dict[str, object]:
         """The curve, for the MLflow artifact."""
-        return {"rule": self.rule, "chosen": self.chosen, "lr": self.lrs, "loss": self.losses, "smoothed": self.smoothed}
+        return {
+            "rule": self.rule,
+            "chosen": self.chosen,
+            "lr": self.lrs,
+            "loss": self.losses,
+            "smoothed": self.smoothed,
+        }
 
 
 def exponential_rates(settings: LrRangeTestParams) -> np.ndarray:
@@ -116,13 +129,7 @@ def lr_range_test(
     rates = exponential_rates(settings)
     optimizer = build_optimizer(params.optim, model, float(rates[0]), params.weight_decay, device)
     scaler = make_scaler(precision, device)
-    sampler = LengthGroupedBatchSampler(
-        train.lengths,
-        params.batch_size,
-        bucketing=params.data.bucketing,
-        seed=params.seed,
-        max_tokens=params.data.max_tokens_per_batch,
-    )
+    sampler = training_sampler(train, params)
     units = task.loss_units(train, params)
     in_process = params.model_copy(update={"num_workers": 0, "persistent_workers": False})
     pad_multiple = resolve_pad_multiple(params, device)

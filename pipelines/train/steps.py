@@ -54,6 +54,21 @@ def make_scaler(precision: ResolvedPrecision, device: torch.device) -> torch.amp
     return torch.amp.GradScaler(device.type, init_scale=FP16_INITIAL_SCALE if precision == "fp16" else 1.0)
 
 
+def training_sampler(
+    train: TokenizedSplit, params: Params, num_replicas: int = 1, rank: int = 0
+) -> LengthGroupedBatchSampler:
+    """The training split's sampler as the params set it up (bucketing, seed, token budget, DDP shard)."""
+    return LengthGroupedBatchSampler(
+        train.lengths,
+        params.batch_size,
+        bucketing=params.data.bucketing,
+        seed=params.seed,
+        max_tokens=params.data.max_tokens_per_batch,
+        num_replicas=num_replicas,
+        rank=rank,
+    )
+
+
 def make_loader(
     split: TokenizedSplit,
     batches: list[list[int]],

@@ -50,5 +50,7 @@ def test_the_sweep_stops_on_divergence_and_restores_the_model(default_params):
 
 def test_a_fixed_rate_runs_no_sweep(default_params):
     params = tiny_params(default_params, lr=0.01)
-    same, sweep = resolve_lr(params, tiny_model(), tiny_split(), 0, torch.device("cpu"), "fp32", get_task("classification"))
+    same, sweep = resolve_lr(
+        params, tiny_model(), tiny_split(), 0, torch.device("cpu"), "fp32", get_task("classification")
+    )
     assert sweep is None and same.lr == 0.01
