@@ -3,14 +3,16 @@
 Candidates are the divisors of `effective_batch_size`, largest first, so micro-batch x
 accumulation equals the requested effective batch exactly. Each candidate is probed
 with the split's longest rows (the sampler puts that batch first, so it is the peak).
-On CUDA a probe is a real forward and backward that may raise out-of-memory; a CPU
+On CUDA a probe is a real optimizer step (forward, backward and the update, beside optimizer
+state allocated before the first candidate) that may raise out-of-memory; a CPU
 raises nothing before the OS kills the process, so there the activation bytes of one
 row are measured and scaled against a share of the memory available.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import psutil
@@ -22,7 +24,8 @@ from pipelines.params import Params, apply_overrides
 from pipelines.tasks import get_task
 from pipelines.train.device import ResolvedPrecision
 from pipelines.train.memory import SavedActivationMeter, parameter_bytes, tensor_bytes
-from pipelines.train.steps import backward_micro_batch
+from pipelines.train.optim import build_optimizer
+from pipelines.train.steps import backward_micro_batch, make_scaler, optimizer_step
 
 if TYPE_CHECKING:
     from pipelines.tasks.base import Task
@@ -63,23 +66,51 @@ def cuda_fits(
     vocab_size: int,
     device: torch.device,
     precision: ResolvedPrecision,
+    params: Params,
     task: Task | None = None,
-):
-    """A probe that runs a real step of `rows` rows and reports whether it ran out of memory."""
-    scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
+) -> Callable[[int], bool]:
+    """A probe that runs a full optimizer step of `rows` rows, with the optimizer state already allocated.
 
-    def fits(rows: int) -> bool:
-        try:
-            batch = probe_batch(rows, length, vocab_size, device, task)
-            backward_micro_batch(model, batch, rows, precision, device, scaler, task)
-            return True
-        except torch.cuda.OutOfMemoryError:
-            return False
-        finally:
-            model.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
+    The state exists before the first candidate (one step on zero gradients makes it), so every
+    forward and backward is probed beside it, as training's second step will run. The caller
+    restores the weights afterwards (`restored_after`): the probe's steps change them.
+    """
+    lr = params.lr if params.lr != "auto" else 1e-3  # the rate does not change memory
+    optimizer = build_optimizer(params.optim, model, lr, params.weight_decay, device)
+    scaler = make_scaler(precision, device)
+    if not _step_fits(model, lambda: _materialize_state(model, optimizer)):
+        raise UserError(
+            "batch_size: auto: the weights, gradients and optimizer state alone do not fit on this GPU; "
+            "try adapter.type: lora, optim: adafactor, or a smaller model"
+        )
 
-    return fits
+    def one_step(rows: int) -> None:
+        batch = probe_batch(rows, length, vocab_size, device, task)
+        backward_micro_batch(model, batch, rows, precision, device, scaler, task)
+        optimizer_step(model, optimizer, scaler, params.max_grad_norm, precision)
+
+    return lambda rows: _step_fits(model, lambda: one_step(rows))
+
+
+def _materialize_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """One step on zero gradients: the optimizer allocates its state (moments, factors) for real."""
+    for param in model.parameters():
+        if param.requires_grad:
+            param.grad = torch.zeros_like(param)
+    optimizer.step()
+
+
+def _step_fits(model: nn.Module, step: Callable[[], None]) -> bool:
+    """Run `step`; False if it ran out of CUDA memory. The cache is emptied after the `except` block, once
+    the traceback (and the failed step's tensors it holds) is gone."""
+    out_of_memory = False
+    try:
+        step()
+    except torch.cuda.OutOfMemoryError:
+        out_of_memory = True
+    model.zero_grad(set_to_none=True)
+    torch.cuda.empty_cache()
+    return not out_of_memory
 
 
 def cpu_fits(
@@ -110,6 +141,19 @@ def cpu_fits(
     return lambda rows: fixed + rows * meter.peak_bytes <= budget
 
 
+@contextmanager
+def restored_after(model: nn.Module) -> Iterator[None]:
+    """Put the model's weights and buffers back as they were (a host copy: the GPU is what is being probed)."""
+    saved = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    try:
+        yield
+    finally:
+        model.load_state_dict(saved)
+        model.zero_grad(set_to_none=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 def resolve_batch_size(
     params: Params, model: nn.Module, longest_row: int, device: torch.device, precision: ResolvedPrecision
 ) -> Params:
@@ -121,11 +165,14 @@ def resolve_batch_size(
     vocab_size = model.get_input_embeddings().num_embeddings
     task = get_task(params.task)
     if device.type == "cuda":
-        fits = cuda_fits(model, longest_row, vocab_size, device, precision, task)
+        with restored_after(model):
+            fits = cuda_fits(model, longest_row, vocab_size, device, precision, params, task)
+            rows = largest_fitting(params.effective_batch_size, fits)
+            del fits  # and with it the probe's optimizer state, before the cache is emptied
     else:
         factor = 2.0 if params.optim == "adamw" else 1.0
         fits = cpu_fits(model, longest_row, vocab_size, precision, optimizer_factor=factor, task=task)
-    rows = largest_fitting(params.effective_batch_size, fits)
+        rows = largest_fitting(params.effective_batch_size, fits)
     return apply_overrides(
         params,
         {"batch_size": rows, "grad_accum_steps": params.effective_batch_size // rows, "effective_batch_size": None},

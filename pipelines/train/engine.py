@@ -31,11 +31,11 @@ from pipelines.train.device import ResolvedPrecision, apply_tf32, resolve_pad_mu
 from pipelines.train.fast_dropout import FastDropoutUse, fast_dropout
 from pipelines.train.memory import MemoryAtPeak, gradient_bytes, track_training_peak
 from pipelines.train.optim import build_optimizer, build_scheduler
+from pipelines.train.out_of_memory import OUT_OF_MEMORY, recover_from_out_of_memory
 from pipelines.train.results import all_reduce, final_metrics, reduce_final_metrics, world
 from pipelines.train.steps import (
     accumulate_window,
     global_window_rows,
-    halve_windows,
     make_loader,
     make_scaler,
     optimizer_step,
@@ -53,10 +53,6 @@ if TYPE_CHECKING:
 
 class NonFiniteLoss(UserError):
     """Training diverged: the loss stayed NaN or infinite for too many steps."""
-
-
-# Out-of-memory errors that training recovers from by halving micro-batches.
-OUT_OF_MEMORY: tuple[type[BaseException], ...] = (torch.cuda.OutOfMemoryError,)
 
 
 @dataclass
@@ -284,6 +280,7 @@ def _train(
             region = timed(device, clocks, "warmup_time_s") if warmup else nullcontext()
             if not warmup:
                 resume_training()
+            out_of_memory = False
             try:
                 with region:
                     window_loss, counts = accumulate_window(
@@ -301,20 +298,12 @@ def _train(
                         state.peak_grad_bytes = gradient_bytes(model)
                     skipped = optimizer_step(model, optimizer, scaler, params.max_grad_norm, precision)
             except OUT_OF_MEMORY:
-                optimizer.zero_grad(set_to_none=True)
-                rows = max(len(b) for b in windows[state.window])
-                if rows == 1:
-                    raise UserError("out of memory with one row per micro-batch; lower data.max_length") from None
-                # Same rows per optimizer step, half per micro-batch: the effective batch is unchanged.
-                windows = halve_windows(windows, state.window)
-                state.oom_halvings += 1
+                # Recovery happens after the except block: inside it, the traceback's frames still hold
+                # the failed step's activations, so emptying the cache there would free nothing.
+                out_of_memory = True
+            if out_of_memory:
+                windows = recover_from_out_of_memory(optimizer, windows, state, device, world_size, say)
                 loader = None
-                say(
-                    f"out of memory on a micro-batch of {rows} rows: micro-batches halved, accumulation doubled "
-                    f"(x{2**state.oom_halvings} since the start); the step is redone"
-                )
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()  # after the except block let go of the failed step's tensors
                 continue
             finite = torch.isfinite(window_loss)
             counters[0] = torch.where(finite, 0, counters[0] + 1)

@@ -76,3 +76,55 @@ def test_cuda_only_choices_fail_before_training_without_cuda(default_params):
     ):
         with pytest.raises(UserError, match=message):
             check_runtime(tiny_params(default_params, **overrides))
+
+
+class OutOfMemoryWithState(torch.nn.Module):
+    """A classifier that raises CUDA's out-of-memory error when rows x (1 + optimizer state present) > limit.
+
+    `state_seen` reads the optimizer state through `optimizer_has_state`, set by the test: the probe
+    must already hold the state when its first candidate runs.
+    """
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.model, self.limit = tiny_model(), limit
+        self.state_present = lambda: False
+        self.first_call_had_state: bool | None = None
+
+    def forward(self, input_ids, attention_mask=None, **_):
+        if self.first_call_had_state is None:
+            self.first_call_had_state = self.state_present()
+        if len(input_ids) * (2 if self.state_present() else 1) > self.limit:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+        return self.model(input_ids=input_ids, attention_mask=attention_mask)
+
+    def get_input_embeddings(self):
+        return self.model.get_input_embeddings()
+
+
+def test_the_cuda_probe_runs_full_steps_beside_the_optimizer_state_and_puts_the_weights_back(
+    default_params, monkeypatch
+):
+    # The CUDA probe's logic, run on the CPU with an injected out-of-memory error.
+    params = tiny_params(default_params, batch_size="auto", effective_batch_size=32, optim="adamw")
+    model = OutOfMemoryWithState(limit=20)
+    built: list[torch.optim.Optimizer] = []
+    real_build = auto.build_optimizer
+
+    def build_and_watch(*args, **kwargs):
+        built.append(real_build(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(auto, "build_optimizer", build_and_watch)
+    monkeypatch.setattr("pipelines.train.steps.forward_logits", lambda m, batch: m(batch["input_ids"]).logits)
+    model.state_present = lambda: bool(built and built[0].state)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with auto.restored_after(model):
+        fits = auto.cuda_fits(model, 30, 120, torch.device("cpu"), "fp32", params)
+        rows = auto.largest_fitting(32, fits)
+        assert built[0].state, "the probe's optimizer holds its state"
+    # 16 rows fit without optimizer state (16 <= 20), not beside it (32 > 20): the probe says 8.
+    assert model.first_call_had_state is True and rows == 8
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "the probe's steps were undone"
+    assert all(p.grad is None for p in model.parameters())

