@@ -113,3 +113,15 @@ FINAL_METRICS = (
     "val_accuracy",
     "optimizer_state_bytes",
 )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` need CUDA: skipped with the reason where there is none (run them with `pytest -m gpu`)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (no GPU visible); on a GPU machine: pytest -m gpu tests/gpu")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -146,7 +146,8 @@ def _measure_memory(
     say: Callable[[str], None],
 ) -> MemoryAtPeak | None:
     """Peak training memory and its breakdown from two runs of the first window; the weights are then put back."""
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    # A host copy: on a GPU a device copy would take memory from (and could fail) the step being measured.
+    weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     scaler_state = scaler.state_dict()
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else []

@@ -1,0 +1,168 @@
+"""The CUDA paths, on a real GPU: mixed precision, batch-size search, out-of-memory recovery, copies, peaks, compile.
+
+Skipped without CUDA (tests/conftest.py). On a GPU machine: `pytest -m gpu tests/gpu` (it needs torch,
+transformers and pydantic only; no mlflow, ray or dvc).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch
+from transformers import BertConfig, BertForSequenceClassification
+
+from pipelines.data.tokenization import TokenizedSplit
+from pipelines.train import batch_size as auto
+from pipelines.train.engine import train_model
+from pipelines.train.steps import make_loader, make_scaler, optimizer_step, to_device
+from tests.conftest import tiny_params
+from tests.pipelines.train.helpers import tiny_split
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+# fp16 autocast against fp32, per logged loss (a loss of about 1.1 on 3 classes): rounding, not a different run.
+FP16_LOSS_TOLERANCE = 0.02
+BF16_LOSS_TOLERANCE = 0.05
+
+
+def bert(hidden: int = 64, layers: int = 2, vocab: int = 120, seed: int = 0) -> BertForSequenceClassification:
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
+        intermediate_size=hidden * 2, max_position_embeddings=512, num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return BertForSequenceClassification(config)
+
+
+def long_split(rows: int, length: int, seed: int = 0) -> TokenizedSplit:
+    """Rows of one length (activation memory is then the same for every batch)."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(10, 100, size=rows * length).astype(np.int32)
+    return TokenizedSplit(ids, np.full(rows, length, dtype=np.int32), rng.integers(0, 3, size=rows))
+
+
+def train(params, model=None, split=None, precision=None, **kwargs):
+    torch.manual_seed(0)
+    return train_model(
+        model if model is not None else bert(),
+        split if split is not None else tiny_split(rows=160, seed=3),
+        None,
+        params,
+        pad_id=0,
+        device=CUDA,
+        precision=precision or params.precision,
+        say=kwargs.pop("say", lambda _: None),
+        **kwargs,
+    )
+
+
+def cuda_params(default_params, **overrides):
+    base = {"epochs": 2, "batch_size": 16, "lr": 1e-3, "log_every_n_steps": 1, "warmup_ratio": 0.0, "device": "cuda"}
+    return tiny_params(default_params, **{**base, **overrides})
+
+
+@contextmanager
+def memory_cap(bytes_allowed: float) -> Iterator[None]:
+    """Let the caching allocator hold at most `bytes_allowed` (beyond it, a real CUDA out-of-memory error)."""
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(CUDA).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, bytes_allowed / total), CUDA)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, CUDA)
+        torch.cuda.empty_cache()
+
+
+def test_fp16_with_the_grad_scaler_matches_fp32_and_bf16_stays_close(default_params):
+    fp32 = train(cuda_params(default_params, precision="fp32", tf32=False))
+    fp16 = train(cuda_params(default_params, precision="fp16"))
+    bf16 = train(cuda_params(default_params, precision="bf16"))
+    assert fp16.metrics["skipped_steps"] <= 2  # the scale may back off from 2^16 once or twice at the start
+    for a, b, c in zip(fp32.history, fp16.history, bf16.history, strict=True):
+        assert abs(a["loss"] - b["loss"]) < FP16_LOSS_TOLERANCE, (a, b)
+        assert abs(a["loss"] - c["loss"]) < BF16_LOSS_TOLERANCE, (a, c)
+    assert fp32.history[-1]["loss"] < fp32.history[0]["loss"]
+
+
+def test_fp16_skips_a_step_whose_gradients_overflow_and_backs_off_the_scale():
+    model = bert().to(CUDA)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = make_scaler("fp16", CUDA)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(10, 100, (4, 16), device=CUDA)
+    scaler.scale(model(input_ids=ids).logits.float().sum()).backward()
+    model.classifier.weight.grad.view(-1)[0] = float("inf")  # an overflow in one gradient
+    skipped = optimizer_step(model, optimizer, scaler, 1.0, "fp16")
+    assert bool(skipped) and scaler.get_scale() == 2.0**15
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "the step was not applied"
+
+
+def test_batch_size_auto_finds_a_size_that_trains_with_its_optimizer_state(default_params):
+    params = cuda_params(default_params, batch_size="auto", effective_batch_size=256, epochs=1, optim="adamw")
+    split = long_split(rows=512, length=256)
+    model = bert(hidden=256, layers=4, vocab=30000).to(CUDA)  # weights, gradients and moments: about 150 MB
+    static = sum(p.numel() * p.element_size() for p in model.parameters()) * 4
+    with memory_cap(static + 600 * 2**20):  # room for the state and some activations, not for 256 rows
+        resolved = auto.resolve_batch_size(params, model, 256, CUDA, "fp32")
+        assert resolved.batch_size < 256 and resolved.batch_size * resolved.grad_accum_steps == 256
+        result = train(resolved, model=model, split=split)
+    assert result.metrics["oom_halvings"] == 0 and math.isfinite(result.metrics["final_train_loss"])
+
+
+def test_a_real_out_of_memory_halves_micro_batches_keeps_the_effective_batch_and_finishes(default_params):
+    split = long_split(rows=256, length=256)
+    small = cuda_params(default_params, batch_size=16, epochs=1)
+    reference = train(small, model=bert(hidden=256, layers=4), split=split)
+    peak16 = reference.metrics["peak_reserved_bytes"]
+    params = cuda_params(default_params, batch_size=64, epochs=1)
+    messages: list[str] = []
+    with memory_cap(1.6 * peak16):  # 16 rows fit; 64 rows need about 4x the activations
+        result = train(params, model=bert(hidden=256, layers=4), split=split, say=messages.append)
+    assert result.metrics["oom_halvings"] >= 1, messages
+    assert any("micro-batches halved" in m for m in messages)
+    assert result.metrics["optimizer_steps"] == 256 // 64  # the effective batch is unchanged
+    assert math.isfinite(result.metrics["final_train_loss"])
+
+
+def test_batches_are_pinned_and_copied_without_blocking(default_params):
+    params = cuda_params(default_params, pin_memory=True)
+    split = tiny_split(rows=64, seed=1)
+    loader = make_loader(split, [list(range(16))], params, 0, CUDA, 8)
+    assert loader.pin_memory
+    host = next(iter(loader))
+    assert all(t.is_pinned() for t in host.values())
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        on_device = to_device(host, CUDA)
+        torch.cuda.synchronize()
+    assert all(t.device.type == "cuda" for t in on_device.values())
+    copies = [e.name for e in prof.events() if "Memcpy HtoD" in e.name]
+    assert copies and all("Pinned" in name for name in copies), copies
+
+
+def test_peak_memory_is_each_trial_s_own(default_params):
+    small = cuda_params(default_params, epochs=1)
+    big = cuda_params(default_params, epochs=1, batch_size=64)
+    split = long_split(rows=128, length=256)
+    first = train(small, model=bert(hidden=128), split=split).metrics["peak_train_memory_bytes"]
+    large = train(big, model=bert(hidden=512, layers=4), split=split).metrics["peak_train_memory_bytes"]
+    again = train(small, model=bert(hidden=128), split=split).metrics["peak_train_memory_bytes"]
+    assert large > 2 * first
+    assert abs(again - first) <= 0.05 * first, (first, again)  # not the larger trial's peak
+
+
+def test_compile_on_cuda_with_bucketed_shapes_stays_within_its_graph_budget(default_params):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    params = cuda_params(default_params, compile=True, epochs=1, **{"data.pad_to_multiple_of": 8})
+    result = train(params)
+    assert all(math.isfinite(h["loss"]) for h in result.history)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    # tiny_split rows are < 40 tokens, rounded to multiples of 8: a handful of shapes, not one per batch.
+    assert 0 < graphs <= 12, graphs
