@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -41,6 +41,7 @@ from pipelines.train.device import ResolvedPrecision
 from pipelines.train.fast_dropout import fast_dropout
 from pipelines.train.memory import track_training_peak
 from pipelines.train.optim import build_optimizer
+from pipelines.train.parallel import sharding_units
 from pipelines.train.steps import (
     backward_micro_batch,
     make_loader,
@@ -88,6 +89,29 @@ class MemoryPlan:
     def model_flops_per_position(self) -> float:
         """Model FLOPs (no recompute) per (padded) position of the planned window: scales a run's FLOPs by positions."""
         return self.model_flops / max(self.positions, 1)
+
+    def sharded(self, workers: int, gathered: int) -> MemoryPlan:
+        """One FSDP worker's plan: weights, gradients and optimizer state divided by `workers`, plus the
+        `gathered` bytes held whole at a time (the root's weights and one block's, with its gradient)."""
+        resident = self.parameters + self.gradients + self.optimizer_state
+        return replace(
+            self,
+            peak=self.peak - resident + resident // workers + gathered,
+            parameters=self.parameters // workers,
+            trainable_parameters=self.trainable_parameters // workers,
+            gradients=self.gradients // workers,
+            optimizer_state=self.optimizer_state // workers,
+        )
+
+
+def fsdp_gathered_bytes(model: nn.Module) -> int:
+    """What an FSDP worker holds unsharded at once: the root unit's weights (embeddings, head: gathered for the
+    whole step) and the largest block's weights and gradient (gathered, then reduce-scattered)."""
+    units = sharding_units(model)
+    in_units = {id(p) for unit in units for p in unit.parameters()}
+    root = sum(_nbytes([p]) for p in model.parameters() if id(p) not in in_units)
+    largest = max((_nbytes(list(unit.parameters())) for unit in units), default=0)
+    return root + 2 * largest
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
@@ -200,7 +224,7 @@ def plan_memory(
             ) from None
         state = [v for kept in optimizer.state.values() for v in kept.values() if isinstance(v, torch.Tensor)]
         state = [v for v in state if v.numel() > 1]  # as the trial counts: moments and factors, not scalar steps
-    return MemoryPlan(
+    plan = MemoryPlan(
         peak=peak.total,
         parameters=_nbytes(list(model.parameters())),
         trainable_parameters=_nbytes(trainable),
@@ -214,6 +238,9 @@ def plan_memory(
         model_flops=model_flops,
         positions=all_positions,
     )
+    if params.distributed.strategy == "fsdp" and params.distributed.num_workers > 1:
+        return plan.sharded(params.distributed.num_workers, fsdp_gathered_bytes(model))
+    return plan
 
 
 MB = 1024 * 1024

@@ -368,6 +368,10 @@ def _refuse_tokenize_keys(where: str, keys: list[str]) -> None:
             )
 
 
+# Optimizers whose update is elementwise, so they run unchanged on FSDP's sharded (DTensor) weights.
+FSDP_OPTIMIZERS = ("adamw", "sgd")
+
+
 class DistributedParams(StrictModel):
     """Data-parallel training inside each trial (Ray Train workers, DDP)."""
 
@@ -376,6 +380,11 @@ class DistributedParams(StrictModel):
         "process. batch_size is per worker: the global batch is num_workers x batch_size x grad_accum_steps."
     )
     use_gpu: bool | None = Field(description="One GPU per worker; null: when the driver sees CUDA.")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        description="ddp: every worker holds the whole model and its optimizer state; fsdp: FSDP2 (fully_shard) "
+        "shards weights, gradients and optimizer state across the workers, per transformer block (for models "
+        "that outgrow one device). Only with num_workers > 1."
+    )
 
 
 class LrRangeTestParams(StrictModel):
@@ -588,12 +597,30 @@ class Params(StrictModel):
                 "lr: auto runs its range test in one process; with distributed.num_workers > 1 set lr explicitly "
                 "(run the test once with num_workers: 1, then use the lr_found it logs)"
             )
+        if self.distributed.strategy == "fsdp":
+            self._check_fsdp()
         if self.distributed.num_workers > 1 and self.batch_size == "auto":
             raise ValueError(
                 "batch_size: auto probes one process's memory; with distributed.num_workers > 1 set batch_size "
                 "(per worker) explicitly"
             )
         return self
+
+    def _check_fsdp(self) -> None:
+        """What FSDP2 sharding supports here: elementwise optimizers, full fine-tuning, eager mode."""
+        if self.optim not in FSDP_OPTIMIZERS:
+            raise ValueError(
+                f"distributed.strategy: fsdp shards every weight across workers, and optim = {self.optim!r} does not "
+                f"run on sharded weights (Adafactor factors whole matrices); allowed with fsdp: "
+                f"{', '.join(FSDP_OPTIMIZERS)}"
+            )
+        if self.adapter.type != "none":
+            raise ValueError(
+                f"distributed.strategy: fsdp with adapter.type = {self.adapter.type!r} is not supported: an adapter's "
+                "trainable weights are small, so use distributed.strategy: ddp"
+            )
+        if self.compile:
+            raise ValueError("distributed.strategy: fsdp with compile: true is not supported yet; use compile: false")
 
     @model_validator(mode="after")
     def _variants_are_valid(self) -> Params:

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
@@ -32,6 +31,7 @@ from pipelines.train.fast_dropout import FastDropoutUse, fast_dropout
 from pipelines.train.memory import MemoryAtPeak, gradient_bytes, track_training_peak
 from pipelines.train.optim import build_optimizer, build_scheduler
 from pipelines.train.out_of_memory import OUT_OF_MEMORY, recover_from_out_of_memory
+from pipelines.train.parallel import gather_full_weights, replicate, shard, uses_fsdp
 from pipelines.train.results import all_reduce, final_metrics, reduce_final_metrics, world
 from pipelines.train.steps import (
     accumulate_window,
@@ -103,7 +103,8 @@ def train_model(
     checkpoints, and the logged loss and final metrics are reduced across ranks.
     """
     setup_start = time.perf_counter()
-    model.to(device)
+    if not uses_fsdp(params, world()[1]):
+        model.to(device)  # under FSDP the shards go to the device, and the whole model stays on the host
     train = task_of(params, task).training_split(train, params, model)  # packs, with data.packing
     # Inductor draws its own fused dropout masks under compile; CUDA's dropout is already fused.
     use_fast_dropout = params.fast_dropout and device.type == "cpu" and not params.compile
@@ -193,6 +194,13 @@ def _train(
         torch.backends.cudnn.benchmark = True
         apply_tf32(tf32)
     rank, world_size = world()
+    fsdp = uses_fsdp(params, world_size)
+    whole = model  # the caller's model: trained in place, or under FSDP given the gathered weights at the end
+    if fsdp:
+        model = shard(whole, precision, device, world_size)  # from here on, `model` is this rank's shards
+        if checkpoint_dir is not None:
+            say("FSDP: no checkpoints are written (sharded state is not saved for resume yet); the run starts over")
+            checkpoint_dir = None
     pad_multiple = resolve_pad_multiple(params, device)
     sampler = training_sampler(train, params, world_size, rank)
     accum = params.grad_accum_steps
@@ -228,8 +236,8 @@ def _train(
     if memory is not None:
         state.memory = memory.as_metrics()
     forward_model: nn.Module = model
-    if world_size > 1:
-        forward_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if world_size > 1 and not fsdp:
+        forward_model = replicate(model, device)
     if params.compile:
         forward_model = torch.compile(forward_model)
     clocks = state.clocks
@@ -343,7 +351,9 @@ def _train(
         if on_epoch_end:
             on_epoch_end(epoch + 1, state.step, state.val_metrics)
     pause_training()
-    metrics = final_metrics(state, model, optimizer, device, compiled=params.compile)
+    metrics = final_metrics(state, model, optimizer, device, compiled=params.compile)  # under FSDP: this rank's shards
+    if fsdp:
+        gather_full_weights(model, whole, rank, device)
     if world_size > 1:
         metrics = reduce_final_metrics(metrics, device)
     notes = {"tf32.resolved": str(tf32).lower(), "pad_to_multiple_of.resolved": str(pad_multiple)}

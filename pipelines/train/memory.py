@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -27,6 +28,8 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     seen: set[int] = set()
     total = 0
     for t in tensors:
+        if isinstance(t, DTensor):  # an FSDP shard: what this rank holds
+            t = t.to_local()
         storage = t.untyped_storage()
         if storage.data_ptr() in seen:
             continue

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
@@ -222,6 +223,8 @@ def accumulate_window(
         # Under DDP, gradients are all-reduced once per window, on its last micro-batch only.
         last = index == len(window) - 1
         no_sync = model.no_sync() if isinstance(model, DistributedDataParallel) and not last else nullcontext()
+        if isinstance(model, FSDPModule):  # FSDP: reduce-scatter the window's gradients once, on its last
+            model.set_requires_gradient_sync(last)
         with no_sync, meter.measure() if meter is not None else nullcontext():  # type: ignore[attr-defined]
             total += backward_micro_batch(model, batch, units_in_window, precision, device, scaler, task)
     return total, counts

@@ -71,3 +71,16 @@ def test_two_workers_match_one_worker_with_the_same_global_batch_and_log_one_run
     assert trial.data.metrics["samples_per_s"] * trial.data.metrics["train_time_s"] == pytest.approx(
         single.data.metrics["samples_per_s"] * single.data.metrics["train_time_s"], rel=1e-6
     )
+
+    # FSDP through the same Ray Train workers: DDP's curve, and rank 0 saves the whole trained model.
+    client, runs = train_run(
+        root, "two-workers-fsdp", {"distributed.num_workers": 2, "grad_accum_steps": 1, "distributed.strategy": "fsdp"}
+    )
+    sharded = next(r for r in runs if "mlflow.parentRunId" in r.data.tags)
+    assert sharded.info.status == "FINISHED", sharded.data.tags.get("error")
+    fsdp = loss_curve(client, sharded.info.run_id)
+    assert [s for s, _ in fsdp] == [s for s, _ in two]
+    worst = max(abs(a - b) for (_, a), (_, b) in zip(fsdp, two, strict=True))
+    assert worst < LOSS_TOLERANCE, f"FSDP vs DDP: largest loss difference {worst:.2e}"
+    assert sharded.data.metrics["test_accuracy"] == pytest.approx(trial.data.metrics["test_accuracy"], abs=0.01)
+    assert sharded.data.metrics["param_bytes"] < 0.6 * trial.data.metrics["param_bytes"]  # each worker: its half

@@ -139,12 +139,19 @@ def test_train_stage_re_runs_when_any_training_param_changes():
 @pytest.mark.parametrize(
     ("changes", "expected"),
     [
-        ({"device": "cpu", "distributed": {"num_workers": 2, "use_gpu": True}}, ("distributed.use_gpu", "device: cpu")),
         (
-            {"batch_size": "auto", "effective_batch_size": 32, "distributed": {"num_workers": 2, "use_gpu": None}},
+            {"device": "cpu", "distributed": {"num_workers": 2, "use_gpu": True, "strategy": "ddp"}},
+            ("distributed.use_gpu", "device: cpu"),
+        ),
+        (
+            {
+                "batch_size": "auto",
+                "effective_batch_size": 32,
+                "distributed": {"num_workers": 2, "use_gpu": None, "strategy": "ddp"},
+            },
             ("batch_size: auto", "distributed.num_workers"),
         ),
-        ({"distributed": {"num_workers": 0, "use_gpu": None}}, ("distributed.num_workers = 0",)),
+        ({"distributed": {"num_workers": 0, "use_gpu": None, "strategy": "ddp"}}, ("distributed.num_workers = 0",)),
     ],
 )
 def test_distributed_combinations_name_both_keys(changes, expected):
