@@ -28,6 +28,7 @@ from pipelines.adapters import BASE_DIR, apply_adapter, save_base_reference, sav
 from pipelines.data.batching import padded_length
 from pipelines.data.tokenization import LABELS_FILE, TOKENIZER_DIR, TokenizedSplit
 from pipelines.errors import UserError
+from pipelines.lineage import log_datasets
 from pipelines.model import set_attention
 from pipelines.params import Params, apply_overrides
 from pipelines.preflight import plan_before_training, plan_or_none, trial_planner
@@ -132,6 +133,7 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
             }
         )
         client.log_text(run_id, json.dumps(params.model_dump(mode="json"), indent=2), PARAMS_FILE)
+        log_datasets(client, run_id, params.data, Path(context.root), Path(context.tokenized_dir))
         logger.log_dict(context.tokenize_stats)
         with claim_checkpoint_dir(Path(context.checkpoint_root), params) as checkpoint_dir:
             if params.distributed.num_workers > 1:

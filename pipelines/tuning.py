@@ -170,7 +170,8 @@ def run_tuning(
         "dvc_exp_name": os.environ.get("DVC_EXP_NAME", ""),
         "stage": "train",
     }
-    parent_run_id = start_run(client, experiment_id, f"train-{tags['params_hash'][:8]}", tags)
+    # Named after the DVC experiment when there is one, so the MLflow UI and `dvc exp show` name the same thing.
+    parent_run_id = start_run(client, experiment_id, tags["dvc_exp_name"] or f"train-{tags['params_hash'][:8]}", tags)
     log_params(client, parent_run_id, params)
 
     cpus = os.cpu_count() or 1
@@ -203,10 +204,13 @@ def run_tuning(
                 metric=objective[0],
                 mode=objective[1],
                 num_samples=tuner_num_samples(params),
-                max_concurrent_trials=params.tune.max_concurrent_trials,
                 scheduler=_scheduler(params),
-                # Seeded sampling: the same params draw the same trial configurations.
-                search_alg=BasicVariantGenerator(random_state=params.seed),
+                # Seeded sampling: the same params draw the same trial configurations. The concurrency
+                # limit goes to the generator itself: Tune ignores max_concurrent_trials (and warns) when
+                # search_alg is a SearchGenerator such as this one.
+                search_alg=BasicVariantGenerator(
+                    random_state=params.seed, max_concurrent=params.tune.max_concurrent_trials
+                ),
                 time_budget_s=params.tune.time_budget_s,
                 # A fresh process per trial: a trial's peak RSS and allocator state are its own.
                 reuse_actors=False,
