@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import platform
 import socket
@@ -332,12 +333,24 @@ def child_runs(client: MlflowClient, experiment_id: str, parent_run_id: str) -> 
     )
 
 
+# MLflow loggers whose INFO lines read like trouble in a stage's output: the sqlite store's table creation and
+# migrations ("Creating initial MLflow database tables...", alembic's steps) and the system-metrics monitor's start.
+QUIET_LOGGERS = ("mlflow.store.db.utils", "alembic", "mlflow.system_metrics")
+
+
+def quiet_mlflow_info() -> None:
+    """Show only warnings and errors from MLflow's store setup and system-metrics monitor."""
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def open_store(tracking: TrackingParams, root: Path, say: Callable[[str], None] = print) -> tuple[MlflowClient, str]:
     """Open the configured store and experiment, and first end as KILLED the runs whose process died.
 
     Every stage that opens the store calls this, so after a `kill -9` no run stays RUNNING past
     the next stage that runs, whichever it is (train, evaluate or report).
     """
+    quiet_mlflow_info()
     client, experiment_id = open_experiment(tracking, root)
     for name in close_runs_of_dead_processes(client, experiment_id):
         say(f"closed MLflow run {name!r} as KILLED: its process died without ending it")

@@ -33,7 +33,14 @@ from pipelines.model import set_attention
 from pipelines.params import Params, apply_overrides
 from pipelines.preflight import plan_before_training, plan_or_none, trial_planner
 from pipelines.tasks import get_task
-from pipelines.tracking import RunLogger, environment_tags, leave_retries_to_run_logger, log_params, start_run
+from pipelines.tracking import (
+    RunLogger,
+    environment_tags,
+    leave_retries_to_run_logger,
+    log_params,
+    quiet_mlflow_info,
+    start_run,
+)
 from pipelines.train.batch_size import resolve_batch_size
 from pipelines.train.checkpoint import claim_checkpoint_dir, discard
 from pipelines.train.device import resolve_device, resolve_pad_multiple, resolve_precision, resolve_tf32
@@ -97,6 +104,7 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
     from mlflow.tracking import MlflowClient
 
     leave_retries_to_run_logger()
+    quiet_mlflow_info()
     trial_start = time.perf_counter()
     # Ray starts a fresh process per trial (reuse_actors=False); the reset makes sure of it for RSS.
     rss_reset = reset_peak_rss()

@@ -192,6 +192,9 @@ def run_tuning(
         tokenize_stats=tokenize_stats,
     )
     objective = tune_objective(params)
+    # MLflow is the tracker: Tune's own JSON, CSV and TensorBoard result files would only duplicate it on
+    # disk (and print a TensorBoard hint nobody can use). Set before the Tuner: Ray reads it when it starts.
+    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     status = "FAILED"
     try:
         init_ray(local_ray_cpus(params, cpus), ray_address(params))

@@ -80,3 +80,4 @@ def test_queued_experiment_lands_in_the_repository_store(project_copy: Path):
     assert not list((project_copy / ".dvc" / "tmp").rglob("mlflow.db"))  # nothing followed DVC's temp copy
     parent = client.get_run(queued[0].data.tags["mlflow.parentRunId"])
     assert parent.data.tags["dvc_exp_name"]  # the DVC experiment's name is on the parent run
+    assert parent.info.run_name == parent.data.tags["dvc_exp_name"]  # and names it, as `dvc exp show` does

@@ -16,6 +16,15 @@ from tests.conftest import FINAL_METRICS, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
+# Lines a default run used to print that read like errors or are of no use to the user (issue 17).
+KNOWN_NOISE = (
+    "`max_concurrent_trials` will be ignored",
+    "To visualize your results with TensorBoard",
+    "Creating initial MLflow database tables",
+    "Updating database tables",
+    "Started monitoring system metrics",
+)
+
 
 def experiments(shown: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Flatten `dvc exp show --json` into (name, params, metrics) of baselines and experiments."""
@@ -46,7 +55,10 @@ def test_repro_noop_exp_run_and_bad_values(project_copy: Path):
     root = project_copy
 
     # 1. The main job on the defaults.
-    run(["dvc", "repro"], root, timeout=600)
+    repro = run(["dvc", "repro"], root, timeout=600)
+    printed = repro.stdout + repro.stderr
+    for noise in KNOWN_NOISE:
+        assert noise not in printed, f"{noise!r} in the output of dvc repro"
     for path in (
         "models/best/model.safetensors",
         "models/best/config.json",
@@ -66,6 +78,11 @@ def test_repro_noop_exp_run_and_bad_values(project_copy: Path):
     best_run = json.loads((root / "metrics/train.json").read_text())["mlflow_run_id"]
     stored = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}").get_run(best_run).data.metrics
     assert stored["test_accuracy"] == evaluate["test_accuracy"]
+    # The trial's run lists the three tokenized splits as its datasets, each with a content digest.
+    inputs = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}").get_run(best_run).inputs.dataset_inputs
+    contexts = {tag.value: i.dataset for i in inputs for tag in i.tags if tag.key == "mlflow.data.context"}
+    assert sorted(contexts) == ["test", "train", "validation"]
+    assert all(len(d.digest) == 12 and d.source_type == "code" for d in contexts.values())
     low, high = (f"{100 * evaluate[f'test_accuracy_ci_{end}']:.1f}" for end in ("low", "high"))
     assert f"| {format_metric(evaluate['test_accuracy'], accuracy)} [{low}, {high}] |" in report
     plots = run(["dvc", "plots", "show", "-o", str(root.parent / "plots_html")], root)
