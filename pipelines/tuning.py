@@ -314,4 +314,33 @@ def best_trial_metrics(summary: dict[str, Any]) -> dict[str, Any]:
         "trials.failed": len(summary["failed"]),
         "trials.stopped_early": len(summary["stopped_early"]),
     }
-    return {"variant": best["variant"], "mlflow_run_id": best["mlflow_run_id"], **config, **counts, **best["metrics"]}
+    return {
+        "variant": best["variant"],
+        "mlflow_run_id": best["mlflow_run_id"],
+        **config,
+        **counts,
+        **headline_metrics(best["metrics"]),
+    }
+
+
+# What a comparison of experiments needs from the best trial (`dvc exp show`); the rest is in MLflow and,
+# per class, in metrics/evaluate.json.
+HEADLINE = ("train_time_s", "samples_per_s", "tokens_per_s", "final_train_loss", "optimizer_steps", "mfu")
+NOT_HEADLINE = ("test_rows",)
+
+
+def headline_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """The task's validation and test figures (no per-class ones, no intervals), speed, and memory in MB."""
+    quality = {
+        k: v
+        for k, v in metrics.items()
+        if k.startswith(("val_", "test_"))
+        and "." not in k
+        and "_ci_" not in k
+        and not k.endswith("_s")
+        and k not in NOT_HEADLINE
+    }
+    out = {**quality, **{k: metrics[k] for k in HEADLINE if k in metrics}}
+    if "peak_train_memory_bytes" in metrics:
+        out["peak_train_memory_mb"] = round(metrics["peak_train_memory_bytes"] / 2**20, 1)
+    return out

@@ -102,6 +102,12 @@ def test_repro_noop_exp_run_and_bad_values(project_copy: Path):
     shown = experiments(json.loads(run(["dvc", "exp", "show", "--json"], root).stdout))
     optims = {e["params"].get("optim") for e in shown if "test_accuracy" in e["metrics"]}
     assert {"adamw", "adafactor"} <= optims, shown
+    # Each experiment carries its MLflow run and the few figures a comparison needs, memory in MB.
+    tried = next(e for e in shown if e["params"].get("optim") == "adafactor")
+    for key in ("mlflow_run_id", "test_accuracy", "train_time_s", "peak_train_memory_mb"):
+        assert key in tried["metrics"], (key, sorted(tried["metrics"]))
+    headline = json.loads((root / "metrics/train.json").read_text())
+    assert len(headline) < 25 and not [k for k in headline if "." in k and not k.startswith(("best.", "trials."))]
 
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("finetune")
