@@ -257,6 +257,11 @@ class EvalParams(StrictModel):
         le=1024, description="causal_lm and seq2seq: the most tokens generation writes per row."
     )
     num_beams: PositiveInt = Field(le=16, description="seq2seq: beam size of generation (1: greedy).")
+    model_uri: str | None = Field(
+        pattern=r"^models:/[^/]+/[^/]+$",
+        description="The model the evaluate stage scores: null for models/best (this run's best trial), or a "
+        "registered version as models:/<name>/<version> (or /latest).",
+    )
 
 
 class ChoiceDim(StrictModel):
@@ -453,6 +458,15 @@ class TrackingParams(StrictModel):
         description="MLflow tracking URI; relative sqlite/file paths resolve against the repository root.",
     )
     experiment: str = Field(min_length=1, description="MLflow experiment name.")
+    registered_model: str | None = Field(
+        min_length=1,
+        description="Model Registry name under which each train run registers its best trial's model as a new "
+        "version; auto: the experiment's name; null: register nothing.",
+    )
+
+    def registered_model_name(self) -> str | None:
+        """The registered model's name (auto: the experiment's), or None to skip registration."""
+        return self.experiment if self.registered_model == "auto" else self.registered_model
 
 
 class Params(StrictModel):

@@ -335,13 +335,18 @@ def child_runs(client: MlflowClient, experiment_id: str, parent_run_id: str) -> 
 
 # MLflow loggers whose INFO lines read like trouble in a stage's output: the sqlite store's table creation and
 # migrations ("Creating initial MLflow database tables...", alembic's steps) and the system-metrics monitor's start.
-QUIET_LOGGERS = ("mlflow.store.db.utils", "alembic", "mlflow.system_metrics")
+QUIET_LOGGERS = ("mlflow.store.db.utils", "alembic", "mlflow.system_metrics", "mlflow.pyfunc", "mlflow.models")
 
 
 def quiet_mlflow_info() -> None:
-    """Show only warnings and errors from MLflow's store setup and system-metrics monitor."""
+    """Only warnings and errors from MLflow's store setup, model logging and system metrics; no progress bars."""
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    # Per-file progress bars (artifact downloads, weight shards) are noise in a stage's log.
+    os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
 
 
 def open_store(tracking: TrackingParams, root: Path, say: Callable[[str], None] = print) -> tuple[MlflowClient, str]:

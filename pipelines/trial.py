@@ -29,9 +29,11 @@ from pipelines.data.batching import padded_length
 from pipelines.data.tokenization import LABELS_FILE, TOKENIZER_DIR, TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.lineage import log_datasets
+from pipelines.mlflow_model import MODEL_URI_TAG, input_examples, log_trial_model
 from pipelines.model import set_attention
 from pipelines.params import Params, apply_overrides
 from pipelines.preflight import plan_before_training, plan_or_none, trial_planner
+from pipelines.progress import TrialProgress
 from pipelines.tasks import get_task
 from pipelines.tracking import (
     RunLogger,
@@ -71,6 +73,7 @@ class TrialContext:
     threads: int
     scheduler: str
     tokenize_stats: dict[str, float]
+    progress_bars: bool = False  # the driver's stdout is a terminal: draw a bar per trial
 
     @property
     def fallback_dir(self) -> Path:
@@ -251,14 +254,23 @@ def train_and_save(
             {"batch_size.resolved": str(params.batch_size), "grad_accum_steps.resolved": str(params.grad_accum_steps)}
         )
 
+    # Rank 0 shows the trial's progress: a bar on a terminal, and a summary line per epoch.
+    progress = TrialProgress(
+        params.epochs, lambda line: print(f"[{variant}] {line}", flush=True), context.progress_bars, variant
+    )
+
     def on_epoch_end(epoch: int, step: int, metrics: dict[str, float]) -> None:
         if logger:
             logger.log_dict(metrics, step=step)
+        if rank == 0:
+            progress.on_epoch_end(epoch, step, metrics)
         report({**metrics, "mlflow_run_id": run_id})
 
     def on_log(step: int, point: dict[str, float]) -> None:
         if logger:
             logger.log_dict({"train_loss": point["loss"], "lr": point["lr"]}, step=step)
+        if rank == 0:
+            progress.on_log(step, point)
 
     resume_messages: list[str] = []
 
@@ -282,6 +294,7 @@ def train_and_save(
         say=say,
         task=task,
     )
+    progress.close()
     if rank:
         return {}
     if logger:
@@ -309,6 +322,11 @@ def train_and_save(
         metrics |= flops_metrics(flops_per_position, metrics, device, precision, tf32, params.distributed.num_workers)
     metrics["setup_time_s"] += setup_before_engine
     metrics["save_time_s"] = time.perf_counter() - save_start
+    if logger is not None:  # the folder as the run's MLflow model (rank 0, once everything in it is written)
+        log_start = time.perf_counter()
+        examples = input_examples(tokenizer, test, params.task)
+        logger.log_tags({MODEL_URI_TAG: log_trial_model(run_id, context.tracking_uri, out, params, examples)})
+        metrics["log_model_time_s"] = time.perf_counter() - log_start
     (out / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     discard(checkpoint_dir)  # finished: a later run with the same params must train, not skip
     return metrics

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -190,14 +191,16 @@ def run_tuning(
         threads=worker_threads(params, cpus),
         scheduler=params.tune.scheduler,
         tokenize_stats=tokenize_stats,
+        progress_bars=sys.stdout.isatty(),
     )
     objective = tune_objective(params)
-    # MLflow is the tracker: Tune's own JSON, CSV and TensorBoard result files would only duplicate it on
-    # disk (and print a TensorBoard hint nobody can use). Set before the Tuner: Ray reads it when it starts.
-    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
+    # MLflow is the tracker, so Tune writes only the result files its ResultGrid reads back (JSON, CSV), not
+    # TensorBoard event files, whose logger also printed a TensorBoard hint on every run.
+    os.environ["TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"] = "1"
     status = "FAILED"
     try:
         init_ray(local_ray_cpus(params, cpus), ray_address(params))
+        from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
         from ray.tune.search import BasicVariantGenerator
 
         tuner = tune.Tuner(
@@ -221,6 +224,7 @@ def run_tuning(
             run_config=tune.RunConfig(
                 name=f"train-{parent_run_id[:8]}",
                 storage_path=str((root / "ray_results").resolve()),
+                callbacks=[JsonLoggerCallback(), CSVLoggerCallback()],
                 verbose=1,
             ),
         )
@@ -229,8 +233,10 @@ def run_tuning(
         best = summary["best"]
         shutil.move(str(staging / best["trial_id"]), str(out_dir / BEST_DIR))
         shutil.rmtree(staging, ignore_errors=True)
-        client.log_artifacts(best["mlflow_run_id"], str(out_dir / BEST_DIR), artifact_path="model")
         client.set_tag(parent_run_id, "best_run_id", best["mlflow_run_id"])
+        summary["registered_model"] = register_best_model(client, params, best["mlflow_run_id"], tracking_uri)
+        if summary["registered_model"]:
+            client.set_tag(parent_run_id, "registered_model", summary["registered_model"]["uri"])
         (out_dir / TRIALS_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         client.log_artifact(parent_run_id, str(out_dir / TRIALS_FILE))
         status = "FINISHED"
@@ -238,6 +244,18 @@ def run_tuning(
     finally:
         close_dangling_children(client, experiment_id, parent_run_id)
         client.set_terminated(parent_run_id, status=status)
+
+
+def register_best_model(client: Any, params: Params, run_id: str, tracking_uri: str) -> dict[str, str] | None:
+    """Register the best trial's logged model as a new version (`tracking.registered_model`); None when off."""
+    from pipelines.mlflow_model import MODEL_URI_TAG, register_best
+
+    name = params.tracking.registered_model_name()
+    model_uri = client.get_run(run_id).data.tags.get(MODEL_URI_TAG)
+    if name is None or model_uri is None:
+        return None
+    version = register_best(tracking_uri, model_uri, name)
+    return {"name": name, "version": version, "uri": f"models:/{name}/{version}", "source": model_uri}
 
 
 def _last_line(error: BaseException) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import tempfile
 from pathlib import Path
 
 from pipelines.atomic import atomic_write_json, atomic_write_text
@@ -21,18 +21,20 @@ PREDICTIONS = Path("predictions/test.csv")
 def main() -> None:
     params = load_params()
     from pipelines.evaluation import evaluate_saved_model
+    from pipelines.mlflow_model import model_to_evaluate
     from pipelines.tracking import log_evaluation, open_store
 
     # The store first: it closes runs whose process died (kill -9) even if evaluation fails below.
     client, _ = open_store(params.tracking, resolve_repo_root())
-    result = evaluate_saved_model(BEST_MODEL, TOKENIZED)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, run_id = model_to_evaluate(params, resolve_repo_root(), BEST_MODEL, TRIALS, Path(tmp))
+        result = evaluate_saved_model(model_dir, TOKENIZED)
     atomic_write_text(PREDICTIONS, result.predictions.to_csv(index=False))
     # DVC declares the plots for every task; a task without them (causal_lm) writes empty ones.
     atomic_write_json(CONFUSION, result.plots.get("confusion", []))
     atomic_write_json(PER_CLASS, result.plots.get("per_class", []))
     atomic_write_json(METRICS, result.metrics)
-    best_run_id = json.loads(TRIALS.read_text())["best"]["mlflow_run_id"]
-    log_evaluation(client, best_run_id, result.metrics, [METRICS, PREDICTIONS])
+    log_evaluation(client, run_id, result.metrics, [METRICS, PREDICTIONS])
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ class TrainResult:
     notes: dict[str, str] = field(default_factory=dict)
 
 
+# (optimizer step, logged point: loss, lr, ... plus total_steps and rows_timed for progress displays)
 LogFn = Callable[[int, dict[str, float]], None]
 EpochFn = Callable[[int, int, dict[str, float]], None]  # (epoch, optimizer step, validation metrics)
 
@@ -328,7 +329,9 @@ def _train(
                 clock.lap()
                 state.add_timed(counts.rows, counts.tokens, counts.positions, counts.wait_s)
             if state.step % params.log_every_n_steps == 0 or state.step == total_steps:
-                _log_point(state, counters, logged_loss, optimizer, scaler, epoch, device, world_size, on_log)
+                _log_point(
+                    state, counters, logged_loss, optimizer, scaler, epoch, device, world_size, on_log, total_steps
+                )
                 clock.read_laps()
                 if state.nonfinite_consecutive >= params.max_nonfinite_steps:
                     raise NonFiniteLoss(
@@ -370,6 +373,7 @@ def _log_point(
     device: torch.device,
     world_size: int,
     on_log: LogFn | None,
+    total_steps: int,
 ) -> None:
     """The loop's one host-device sync, every log_every_n_steps steps (and, under DDP, its one extra
     all-reduce: the global loss and the worst rank's counters)."""
@@ -389,5 +393,5 @@ def _log_point(
     state.history.append({"step": state.step, "epoch": epoch, **point})
     logged_loss.zero_()
     state.logged_windows = 0
-    if on_log:
-        on_log(state.step, point)
+    if on_log:  # and, for progress displays, how far along the run is (not part of the logged curve)
+        on_log(state.step, {**point, "total_steps": float(total_steps), "rows_timed": float(state.rows_timed)})

@@ -10,6 +10,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import run, write_params
+from tests.e2e.mlflow_ui import mlflow_ui, runs_table_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -52,6 +53,23 @@ def test_strategy_grid_in_one_dvc_repro_reports_relative_to_vanilla(project_copy
     assert rows["vanilla"][time_col].endswith("(100%)")
     assert all(re.search(r"\(\d+%\)$", row[time_col]) for row in rows.values())
     assert "relative to the baseline trial `vanilla`" in report
+
+    # The MLflow UI, as a user opens it (a real server, headless Chromium): every trial's row in the runs
+    # table shows its three datasets with their digests, and its model (the best one as a registered version).
+    experiment_id = (
+        MlflowClient(tracking_uri=f"sqlite:///{project_copy / 'mlflow.db'}")
+        .get_experiment_by_name("finetune")
+        .experiment_id
+    )
+    with mlflow_ui(project_copy / "mlflow.db") as url:
+        rows = runs_table_rows(f"{url}/#/experiments/{experiment_id}/runs")
+    trial_rows = {name: row for name in STRATEGIES for row in rows if re.search(rf"\b{re.escape(name)}-\w+", row)}
+    assert set(trial_rows) == set(STRATEGIES), rows
+    for name, row in trial_rows.items():
+        for split in ("train", "validation", "test"):
+            assert re.search(rf"{split} \([0-9a-f]{{12}}\)", row), (name, split, row)
+        assert re.search(r"\b(model|finetune v\d+) \|\s*$", row), (name, row)
+    assert sum("finetune v1" in row for row in trial_rows.values()) == 1  # the best trial, registered
 
 
 def test_queued_experiment_lands_in_the_repository_store(project_copy: Path):

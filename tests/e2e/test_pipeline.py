@@ -51,6 +51,30 @@ def output_digests(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(paths)}
 
 
+def assert_registered_model_predicts_as_models_best(root: Path, client: MlflowClient) -> None:
+    """`models:/finetune/latest` through pyfunc and `models/best` through the pipeline's loader: the same labels."""
+    import mlflow
+    import pandas as pd
+    from transformers import AutoTokenizer
+
+    from pipelines.adapters import load_trained_model
+    from pipelines.data.tokenization import TokenizedSplit, load_label_names
+    from pipelines.mlflow_model import input_examples, predict_texts
+    from pipelines.params import Params
+    from pipelines.tasks import get_task
+
+    best = root / "models" / "best"
+    params = Params.model_validate(json.loads((best / "params.json").read_text()))
+    tokenizer = AutoTokenizer.from_pretrained(best)
+    texts = input_examples(tokenizer, TokenizedSplit.load(root / "data" / "tokenized" / "test"), "classification", 20)
+    model = load_trained_model(best, params, get_task(params.task), tokenizer).eval()
+    expected = predict_texts(model, tokenizer, params, load_label_names(best), texts)
+    mlflow.set_tracking_uri(client.tracking_uri)
+    registered = mlflow.pyfunc.load_model("models:/finetune/latest")
+    assert list(registered.predict(pd.DataFrame({"text": texts}))) == expected
+    assert len(set(expected)) > 1  # a model that answers, not a constant
+
+
 def test_repro_noop_exp_run_and_bad_values(project_copy: Path):
     root = project_copy
 
@@ -125,6 +149,21 @@ def test_repro_noop_exp_run_and_bad_values(project_copy: Path):
     assert adafactor[0].data.params["data.max_length"] == "64"  # every param, flattened
     loss_curve = client.get_metric_history(adafactor[0].info.run_id, "train_loss")
     assert len(loss_curve) > 10
+
+    # Every trial run has its three datasets and a logged model; each train run registered its best trial's
+    # model as a new version, and the latest loads by URI and predicts as models/best does.
+    for trial in trials:
+        assert len(trial.inputs.dataset_inputs) == 3 and all(i.dataset.digest for i in trial.inputs.dataset_inputs)
+        assert [o.model_id for o in trial.outputs.model_outputs] and trial.data.tags["model_uri"].startswith("models:/")
+    versions = client.search_model_versions("name = 'finetune'")
+    assert sorted(int(v.version) for v in versions) == [1, 2]
+    latest = max(versions, key=lambda v: int(v.version))
+    assert (
+        latest.run_id
+        == adafactor[0].info.run_id
+        == json.loads((root / "metrics/train.json").read_text())["mlflow_run_id"]
+    )
+    assert_registered_model_predicts_as_models_best(root, client)
 
     # 4. Bad values fail fast, before training, naming key, value and allowed values; outputs untouched.
     run(["dvc", "exp", "apply", "--help"], root)  # (warm the CLI; keeps the timings below about our stage)

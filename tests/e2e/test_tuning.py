@@ -134,8 +134,10 @@ def test_four_variant_grid_two_concurrent_against_a_real_mlflow_server(project_c
     client = MlflowClient(tracking_uri=mlflow_server)
     assert_complete_grid(client, "served", set(FOUR_VARIANTS))
     best = json.loads((project_copy / "models/trials.json").read_text())["best"]["mlflow_run_id"]
-    artifacts = {a.path for a in client.list_artifacts(best, "model")}
-    assert "model/model.safetensors" in artifacts
+    # The best trial's model, logged through the server as an MLflow model, holds the trial's weights.
+    model_id = client.get_run(best).data.tags["model_uri"].removeprefix("models:/")
+    folder = next(a.path for a in client.list_logged_model_artifacts(model_id, "artifacts"))
+    assert f"{folder}/model.safetensors" in {a.path for a in client.list_logged_model_artifacts(model_id, folder)}
 
 
 @pytest.mark.parametrize("concurrent", [2, 4])

@@ -19,7 +19,9 @@ RUNS = {
 
 
 def make_store(tmp_path: Path):
-    client, experiment_id = open_experiment(TrackingParams(uri="sqlite:///r.db", experiment="report"), tmp_path)
+    client, experiment_id = open_experiment(
+        TrackingParams(uri="sqlite:///r.db", experiment="report", registered_model=None), tmp_path
+    )
     parent = start_run(client, experiment_id, "train", {})
     for name, metrics in RUNS.items():
         run_id = start_run(client, experiment_id, name, {"variant": name}, parent_run_id=parent)
@@ -138,7 +140,9 @@ def test_html_report_is_self_contained_and_shows_its_images_in_chromium(tmp_path
 
 
 def test_repeated_variants_show_mean_sd_and_mark_differences_beyond_the_noise(tmp_path: Path):
-    client, experiment_id = open_experiment(TrackingParams(uri="sqlite:///r.db", experiment="noise"), tmp_path)
+    client, experiment_id = open_experiment(
+        TrackingParams(uri="sqlite:///r.db", experiment="noise", registered_model=None), tmp_path
+    )
     parent = start_run(client, experiment_id, "train", {})
     times = {"vanilla": [60.0, 62.0, 61.0], "slower": [90.0, 92.0, 91.0], "same": [60.5, 61.5, 62.5]}
     for name, values in times.items():
@@ -169,7 +173,9 @@ def test_quality_columns_follow_the_task_and_trainable_params_show_once():
 
 def test_rows_follow_the_declared_variant_order_not_the_start_order(tmp_path: Path):
     # Concurrent trials start in any order; each trial tags its variant's place in tune.variants.
-    client, experiment_id = open_experiment(TrackingParams(uri="sqlite:///o.db", experiment="order"), tmp_path)
+    client, experiment_id = open_experiment(
+        TrackingParams(uri="sqlite:///o.db", experiment="order", registered_model=None), tmp_path
+    )
     parent = start_run(client, experiment_id, "train", {})
     declared = ["vanilla", "bf16", "accumulation", "checkpointing"]
     for name in ["checkpointing", "bf16", "accumulation", "vanilla"]:  # the order they happened to start
@@ -180,7 +186,9 @@ def test_rows_follow_the_declared_variant_order_not_the_start_order(tmp_path: Pa
 
 
 def test_a_planned_trial_shows_its_predicted_peak_and_the_error(tmp_path: Path):
-    client, experiment_id = open_experiment(TrackingParams(uri="sqlite:///p.db", experiment="plan"), tmp_path)
+    client, experiment_id = open_experiment(
+        TrackingParams(uri="sqlite:///p.db", experiment="plan", registered_model=None), tmp_path
+    )
     parent = start_run(client, experiment_id, "train", {})
     for name, predicted in (("vanilla", 4e8), ("lean", 1.1e8)):
         run_id = start_run(client, experiment_id, name, {"variant": name}, parent_run_id=parent)

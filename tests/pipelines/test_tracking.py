@@ -26,7 +26,7 @@ def test_repo_root_follows_dvc_root(monkeypatch, tmp_path: Path):
 
 
 def test_experiment_created_once_and_runs_logged_in_batches(tmp_path: Path):
-    tracking = TrackingParams(uri="sqlite:///store.db", experiment="t")
+    tracking = TrackingParams(uri="sqlite:///store.db", experiment="t", registered_model=None)
     client, first = open_experiment(tracking, tmp_path)
     _, second = open_experiment(tracking, tmp_path)
     assert first == second
@@ -41,7 +41,7 @@ def test_experiment_created_once_and_runs_logged_in_batches(tmp_path: Path):
 
 def test_unusable_store_is_a_user_error(tmp_path: Path):
     (tmp_path / "a-file").write_text("not a folder")
-    tracking = TrackingParams(uri="sqlite:///a-file/x.db", experiment="t")
+    tracking = TrackingParams(uri="sqlite:///a-file/x.db", experiment="t", registered_model=None)
     with pytest.raises(UserError, match="tracking.uri = 'sqlite:///a-file/x.db': the MLflow store is unreachable"):
         open_experiment(tracking, tmp_path)
 

@@ -1,0 +1,129 @@
+"""A trial's model as an MLflow model: logged on its run, the best one registered, loadable by URI.
+
+The flavour is a `mlflow.pyfunc` model wrapping the trial's own folder (what `save_trained`
+writes: the Hugging Face `save_pretrained` files or a LoRA adapter with its base, the tokenizer,
+the label names and the params it was trained with), rather than `mlflow.transformers`: one
+wrapper serves every task and adapter here the way the pipeline itself loads them
+(`load_trained_model`), including adapters on a base built from a config, which the transformers
+flavour cannot reload offline. Its `predict` takes what a user has, raw text, and returns what
+the task answers: a classifier's label names, or a language model's greedy continuation.
+
+The model is logged from code (`pipelines/mlflow_pyfunc.py`), not pickled.
+`mlflow.pyfunc.load_model("models:/<name>/<version>")` then predicts, and
+`python -m stages.evaluate` can score a registered version (`eval.model_uri`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from pipelines.params import Params
+
+# The input column a task's pyfunc reads, and an example of it.
+INPUT_COLUMNS = {"classification": "text", "causal_lm": "prompt", "seq2seq": "source"}
+MODEL_NAME = "model"  # the logged model's name on its run
+MODEL_URI_TAG = "model_uri"  # the trial run's tag holding its logged model's URI
+
+
+def predict_texts(model: Any, tokenizer: Any, params: Params, labels: list[str] | None, texts: list[str]) -> list[str]:
+    """Label names (classification) or greedy continuations (language models) for raw texts, on the CPU."""
+    import torch
+
+    answers: list[str] = []
+    batch_size = 32
+    with torch.inference_mode():
+        for start in range(0, len(texts), batch_size):
+            chunk = texts[start : start + batch_size]
+            if params.task == "classification":
+                encoded = tokenizer(chunk, truncation=True, max_length=params.data.max_length, padding=True,
+                                    return_tensors="pt")  # fmt: skip
+                ids = model(**encoded).logits.argmax(-1).tolist()
+                answers += [labels[i] if labels else str(i) for i in ids]
+                continue
+            tokenizer.padding_side = "left"  # a decoder continues the prompt's last token
+            encoded = tokenizer(chunk, truncation=True, max_length=params.data.max_length, padding=True,
+                                return_tensors="pt")  # fmt: skip
+            out = model.generate(**encoded, max_new_tokens=params.eval.max_new_tokens, do_sample=False)
+            if params.task == "causal_lm":
+                out = out[:, encoded["input_ids"].shape[1] :]
+            answers += tokenizer.batch_decode(out, skip_special_tokens=True)
+    return [a.strip() for a in answers]
+
+
+def log_trial_model(run_id: str, tracking_uri: str, folder: Path, params: Params, examples: list[str]) -> str:
+    """Log the trial folder as the run's MLflow model, with its signature and an input example; its URI."""
+    import mlflow
+    from mlflow.models import infer_signature
+
+    column = INPUT_COLUMNS[params.task]
+    example = pd.DataFrame({column: examples[:3]})
+    signature = infer_signature(example, pd.Series(["answer"] * len(example)))
+    mlflow.set_tracking_uri(tracking_uri)
+    # Resumes the trial's run for the fluent API; leaving the block marks it FINISHED, so this is the trial's
+    # last step before its logger closes the run with its real status.
+    with mlflow.start_run(run_id=run_id):
+        info = mlflow.pyfunc.log_model(
+            name=MODEL_NAME,
+            python_model=str(Path(__file__).with_name("mlflow_pyfunc.py")),  # models from code: no pickle
+            artifacts={"model_dir": str(folder)},
+            signature=signature,
+            input_example=example,
+            # The package this pipeline runs in; inferring requirements would load and trace the model.
+            pip_requirements=["pipelines", "torch", "transformers", "peft"],
+        )
+    return info.model_uri
+
+
+def register_best(tracking_uri: str, model_uri: str, name: str) -> str:
+    """Register `model_uri` as a new version of the registered model `name` (created if needed); its version."""
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri)
+    return str(mlflow.register_model(model_uri, name).version)
+
+
+def input_examples(tokenizer: Any, split: Any, task: str, count: int = 3) -> list[str]:
+    """Raw-text inputs for the model's example, decoded from the first rows of a tokenized split."""
+    texts = []
+    for offset, length, prompt in zip(
+        split.offsets[:count], split.lengths[:count], split.prompt_lengths[:count] if task == "causal_lm" else
+        split.lengths[:count], strict=False,
+    ):  # fmt: skip
+        texts.append(tokenizer.decode(split.input_ids[offset : offset + min(length, prompt)], skip_special_tokens=True))
+    return texts
+
+
+def download_registered(model_uri: str, tracking_uri: str, dst: Path) -> tuple[Path, str]:
+    """Fetch a registered version's trial folder (what `models/best` holds) into `dst`; (folder, its run id)."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.errors import UserError
+
+    mlflow.set_tracking_uri(tracking_uri)
+    name, version = model_uri.removeprefix("models:/").split("/", 1)
+    client = MlflowClient(tracking_uri=tracking_uri)
+    try:
+        found = client.get_latest_versions(name)[-1] if version == "latest" else client.get_model_version(name, version)
+    except Exception as err:  # noqa: BLE001 - the registry raises several kinds; all mean "no such version"
+        raise UserError(f"eval.model_uri = {model_uri!r}: no such registered model version ({err})") from None
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(dst)))
+    folders = [p.parent for p in (local / "artifacts").glob("*/params.json")]
+    if len(folders) != 1:
+        raise UserError(f"eval.model_uri = {model_uri!r}: not a model this pipeline logged (no trial folder in it)")
+    return folders[0], found.run_id
+
+
+def model_to_evaluate(params: Params, root: Path, best: Path, trials: Path, tmp: Path) -> tuple[Path, str]:
+    """The folder the evaluate stage scores and the run it logs to: `best` and the best trial's run, or the
+    registered version `eval.model_uri` (downloaded into `tmp`) and the run that trained it."""
+    import json
+
+    from pipelines.tracking import resolve_tracking_uri
+
+    if params.eval.model_uri is None:
+        return best, json.loads(trials.read_text())["best"]["mlflow_run_id"]
+    return download_registered(params.eval.model_uri, resolve_tracking_uri(params.tracking.uri, root), tmp)

@@ -1,0 +1,84 @@
+"""What a running trial shows: a progress bar (on a terminal) and one summary line per epoch.
+
+Both follow the engine's log points (every `log_every_n_steps` optimizer steps), which are also the
+loop's only host syncs, so watching costs no extra synchronization. The bar shows steps done of
+the total, the loss, samples/s and the time left; inside Ray it is `ray.experimental.tqdm_ray`,
+which Ray draws on the driver's terminal. When the driver's stdout is not a terminal (CI, a log
+file) there is no bar, only the epoch lines.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+class TrialProgress:
+    """Turns the engine's log points and epoch ends into a bar and summary lines for one trial."""
+
+    def __init__(
+        self,
+        epochs: int,
+        say: Callable[[str], None],
+        bar: bool,
+        label: str = "",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.epochs, self.say, self.want_bar, self.label, self.clock = epochs, say, bar, label, clock
+        self.start = clock()
+        self.step, self.total, self.loss, self.rows, self.rate = 0, 0, float("nan"), 0.0, float("nan")
+        self._last: tuple[float, float] | None = None  # (time, rows) at the previous log point
+        self._bar: Any = None
+
+    def on_log(self, step: int, point: dict[str, float]) -> None:
+        """A log point: step, loss, and the run's total steps and rows timed so far."""
+        now = self.clock()
+        self.step, self.loss = step, point["loss"]
+        self.total = int(point.get("total_steps", self.total))
+        rows = point.get("rows_timed", self.rows)
+        if self._last is not None and now > self._last[0]:
+            self.rate = (rows - self._last[1]) / (now - self._last[0])
+        self._last, self.rows = (now, rows), rows
+        if self.want_bar:
+            self._draw()
+
+    def eta_s(self) -> float:
+        """Seconds left at the pace so far (every step alike)."""
+        if not self.step or not self.total:
+            return float("nan")
+        return (self.clock() - self.start) / self.step * (self.total - self.step)
+
+    def on_epoch_end(self, epoch: int, step: int, metrics: dict[str, float]) -> str:
+        """Say (and return) the epoch's summary line."""
+        parts = [f"epoch {epoch}/{self.epochs}", f"step {step}/{self.total or '?'}", f"loss {self.loss:.4f}"]
+        parts += [f"{k} {v:.4f}" for k, v in metrics.items() if not k.endswith("_s")]
+        if self.rate == self.rate:  # not NaN
+            parts.append(f"{self.rate:.0f} samples/s")
+        parts.append(f"{_duration(self.clock() - self.start)} elapsed")
+        if epoch < self.epochs and self.eta_s() == self.eta_s():
+            parts.append(f"about {_duration(self.eta_s())} left")
+        line = ", ".join(parts)
+        self.say(line)
+        return line
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def _draw(self) -> None:
+        if self._bar is None:
+            try:
+                from ray.experimental.tqdm_ray import tqdm  # drawn by the driver when inside Ray
+            except ImportError:
+                from tqdm import tqdm
+            self._bar = tqdm(total=self.total, desc=self.label, unit="step")
+        self._bar.update(self.step - self._bar.n)
+        rate = f"{self.rate:.0f}" if self.rate == self.rate else "?"
+        self._bar.set_postfix({"loss": f"{self.loss:.4f}", "samples/s": rate})

@@ -1,0 +1,35 @@
+"""A trial's progress: summary lines per epoch from the engine's log points; a bar only when asked."""
+
+from __future__ import annotations
+
+import torch
+
+from pipelines.progress import TrialProgress
+from pipelines.train.engine import train_model
+from tests.conftest import tiny_params
+from tests.pipelines.train.helpers import tiny_model, tiny_split
+
+
+def test_epoch_lines_show_steps_loss_metrics_rate_and_time_left():
+    now = [0.0]
+    lines: list[str] = []
+    progress = TrialProgress(epochs=2, say=lines.append, bar=False, clock=lambda: now[0])
+    for step, rows in ((5, 0.0), (10, 160.0)):
+        now[0] = step * 0.5
+        progress.on_log(step, {"loss": 0.9, "lr": 1e-3, "total_steps": 20.0, "rows_timed": rows})
+    line = progress.on_epoch_end(1, 10, {"val_accuracy": 0.75, "val_time_s": 0.1})
+    assert line == ("epoch 1/2, step 10/20, loss 0.9000, val_accuracy 0.7500, 64 samples/s, 5s elapsed, about 5s left")
+    assert lines == [line] and progress._bar is None  # no bar when stdout is not a terminal
+
+
+def test_the_engine_tells_its_log_callback_the_total_steps_and_rows(default_params):
+    params = tiny_params(default_params, epochs=2, batch_size=16, log_every_n_steps=3)
+    points: list[tuple[int, dict[str, float]]] = []
+    result = train_model(
+        tiny_model(), tiny_split(rows=96), None, params, pad_id=0, device=torch.device("cpu"),
+        precision="fp32", on_log=lambda step, point: points.append((step, point)), say=lambda _: None,
+    )  # fmt: skip
+    total = result.metrics["optimizer_steps"]
+    assert points[-1][0] == total and all(p["total_steps"] == total for _, p in points)
+    assert points[-1][1]["rows_timed"] > points[0][1]["rows_timed"]
+    assert "total_steps" not in result.history[0]  # the logged curve stays (step, epoch, loss, lr, ...)
