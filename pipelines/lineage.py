@@ -10,6 +10,7 @@ is `data.source` as declared: the built-in generator, a local file or folder, or
 from __future__ import annotations
 
 import hashlib
+import time
 import warnings
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from pipelines.params import DataParams
 
 SPLITS = ("train", "validation", "test")
 DIGEST_CHARS = 12
+RETRIES = 3
 
 
 def split_digest(split: TokenizedSplit) -> str:
@@ -68,4 +70,13 @@ def log_datasets(client: object, run_id: str, data: DataParams, root: Path, toke
             name=name, digest=split_digest(split),
         )  # fmt: skip
         inputs.append(DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", name)]))
-    client.log_inputs(run_id, datasets=inputs)  # type: ignore[attr-defined]
+    # Concurrent trials insert the same datasets (the store keys them by experiment, name and digest) at the same
+    # moment; the one that loses that race gets a uniqueness error, and its retry links the row the other wrote.
+    for attempt in range(RETRIES + 1):
+        try:
+            client.log_inputs(run_id, datasets=inputs)  # type: ignore[attr-defined]
+            return
+        except Exception:  # noqa: BLE001 - a store error of any kind; the last one is raised
+            if attempt == RETRIES:
+                raise
+            time.sleep(0.5 * (attempt + 1))

@@ -53,28 +53,63 @@ def predict_texts(model: Any, tokenizer: Any, params: Params, labels: list[str] 
     return [a.strip() for a in answers]
 
 
-def log_trial_model(run_id: str, tracking_uri: str, folder: Path, params: Params, examples: list[str]) -> str:
-    """Log the trial folder as the run's MLflow model, with its signature and an input example; its URI."""
-    import mlflow
+def save_trial_model(folder: Path, params: Params, examples: list[str], dst: Path) -> Path:
+    """Write the trial folder as a pyfunc model into `dst` (local: no store involved), with its signature and
+    an input example; returns the model's folder."""
+    import mlflow.pyfunc
     from mlflow.models import infer_signature
 
-    column = INPUT_COLUMNS[params.task]
-    example = pd.DataFrame({column: examples[:3]})
-    signature = infer_signature(example, pd.Series(["answer"] * len(example)))
-    mlflow.set_tracking_uri(tracking_uri)
-    # Resumes the trial's run for the fluent API; leaving the block marks it FINISHED, so this is the trial's
-    # last step before its logger closes the run with its real status.
-    with mlflow.start_run(run_id=run_id):
-        info = mlflow.pyfunc.log_model(
-            name=MODEL_NAME,
-            python_model=str(Path(__file__).with_name("mlflow_pyfunc.py")),  # models from code: no pickle
-            artifacts={"model_dir": str(folder)},
-            signature=signature,
-            input_example=example,
-            # The package this pipeline runs in; inferring requirements would load and trace the model.
-            pip_requirements=["pipelines", "torch", "transformers", "peft"],
-        )
-    return info.model_uri
+    example = pd.DataFrame({INPUT_COLUMNS[params.task]: examples[:3]})
+    local = dst / MODEL_NAME
+    mlflow.pyfunc.save_model(
+        str(local),
+        python_model=str(Path(__file__).with_name("mlflow_pyfunc.py")),  # models from code: nothing pickled
+        artifacts={"model_dir": str(folder)},
+        signature=infer_signature(example, pd.Series(["answer"] * len(example))),
+        input_example=example,
+        # The package this pipeline runs in; inferring requirements would load and trace the model.
+        pip_requirements=["pipelines", "torch", "transformers", "peft"],
+    )
+    return local
+
+
+def upload_trial_model(client: Any, experiment_id: str, run_id: str, local: Path) -> str:
+    """Log a saved model as the run's logged model (MLflow's Models column) with plain client calls; its URI.
+
+    Client calls, not `mlflow.start_run(run_id=...)`: the fluent API would end the trial's run on exit,
+    and leave it on its run stack when the store fails mid-way.
+    """
+    from mlflow.entities import LoggedModelOutput
+
+    model = client.create_logged_model(experiment_id, name=MODEL_NAME, source_run_id=run_id)
+    client.log_model_artifacts(model.model_id, str(local))
+    client.finalize_logged_model(model.model_id, "READY")
+    client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step=0)])
+    return f"models:/{model.model_id}"
+
+
+def log_trial_model(
+    client: Any, experiment_id: str, run_id: str, folder: Path, params: Params, examples: list[str], say: Any,
+    timeout_s: float = 120.0,
+) -> str | None:  # fmt: skip
+    """Log the trial folder as the run's MLflow model; its URI. The upload is retried with backoff while the
+    store is unreachable (as the run's metrics are); after `timeout_s` the model stays in the trial's folder
+    only, and the log says so (None)."""
+    import tempfile
+    import time
+
+    with tempfile.TemporaryDirectory() as tmp:
+        local = save_trial_model(folder, params, examples, Path(tmp))
+        deadline, delay = time.monotonic() + timeout_s, 1.0
+        while True:
+            try:
+                return upload_trial_model(client, experiment_id, run_id, local)
+            except Exception as err:  # noqa: BLE001 - any transport or server error: the store may come back
+                if time.monotonic() > deadline:
+                    say(f"could not log the model to MLflow ({type(err).__name__}: {err}); kept in models/ only")
+                    return None
+                time.sleep(delay)
+                delay = min(2 * delay, 10.0)
 
 
 def register_best(tracking_uri: str, model_uri: str, name: str) -> str:

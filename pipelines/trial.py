@@ -325,7 +325,9 @@ def train_and_save(
     if logger is not None:  # the folder as the run's MLflow model (rank 0, once everything in it is written)
         log_start = time.perf_counter()
         examples = input_examples(tokenizer, test, params.task)
-        logger.log_tags({MODEL_URI_TAG: log_trial_model(run_id, context.tracking_uri, out, params, examples)})
+        model_uri = log_trial_model(logger.client, context.experiment_id, run_id, out, params, examples, say)
+        if model_uri is not None:
+            logger.log_tags({MODEL_URI_TAG: model_uri})
         metrics["log_model_time_s"] = time.perf_counter() - log_start
     (out / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     discard(checkpoint_dir)  # finished: a later run with the same params must train, not skip

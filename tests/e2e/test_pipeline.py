@@ -165,6 +165,18 @@ def test_repro_noop_exp_run_and_bad_values(project_copy: Path):
     )
     assert_registered_model_predicts_as_models_best(root, client)
 
+    # A second experiment scores a registered version instead of models/best (eval.model_uri): version 1, the
+    # baseline's best, gives the baseline's test accuracy. `dvc exp show` lists both experiments, each with
+    # its MLflow run id and headline figures.
+    run(["dvc", "exp", "run", "-S", "eval.model_uri=models:/finetune/1"], root, timeout=600)
+    assert json.loads((root / "metrics/evaluate.json").read_text())["test_accuracy"] == evaluate["test_accuracy"]
+    shown = experiments(json.loads(run(["dvc", "exp", "show", "--json"], root).stdout))
+    both = [e for e in shown if e["params"].get("optim") == "adafactor" and "mlflow_run_id" in e["metrics"]]
+    assert len(both) >= 2, shown  # the adafactor experiment and the one scoring version 1
+    for entry in both:
+        assert {"test_accuracy", "train_time_s", "peak_train_memory_mb"} <= set(entry["metrics"]), entry
+    assert len(client.search_model_versions("name = 'finetune'")) == 2  # evaluating registers nothing
+
     # 4. Bad values fail fast, before training, naming key, value and allowed values; outputs untouched.
     run(["dvc", "exp", "apply", "--help"], root)  # (warm the CLI; keeps the timings below about our stage)
     before = output_digests(root)
