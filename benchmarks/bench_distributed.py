@@ -31,7 +31,7 @@ CONFIGS = {
 
 
 def run_one(name: str, root: Path, train_rows: int, batch: int) -> dict[str, float]:
-    from benchmarks.bench_train import subset
+    from benchmarks.common import subset
     from pipelines.data.prepare import prepare_dataset
     from pipelines.data.tokenization import TokenizedSplit
     from pipelines.tuning import run_tuning

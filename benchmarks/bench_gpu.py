@@ -38,28 +38,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.common import AG_NEWS, REPO_ROOT, TRAINING_BASE, minilm_path, subset
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.params import Params, apply_overrides, load_params
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA = REPO_ROOT / ".bench_gpu"  # ignored by git; carried to the GPU machine
-AG_NEWS = REPO_ROOT.parent / "shared" / "data" / "ag_news"
 TEST_ROWS = 1520
 LABELS = ["1", "2", "3", "4"]
 
 BASE: dict[str, Any] = {
-    "batch_size": 32,
-    "lr": 1e-4,
-    "epochs": 1,
-    "warmup_ratio": 0.1,
-    "max_grad_norm": 1.0,
-    "weight_decay": 0.01,
+    **TRAINING_BASE,
     "precision": "fp32",
     "data.bucketing": False,
     "data.max_length": 128,
-    "log_every_n_steps": 1000,
-    "checkpoint_every_n_steps": None,
-    "fast_dropout": False,
     "num_workers": 2,
     "pin_memory": True,
 }
@@ -97,8 +88,6 @@ def prepare(out: Path) -> None:
     """Tokenize AG News with BERT's uncased vocabulary into `out`: a classifier's and a causal LM's splits."""
     import pandas as pd
     from transformers import AutoTokenizer
-
-    from benchmarks.common import minilm_path
 
     model = minilm_path()
     if not (AG_NEWS / "test.csv").is_file() or model is None:
@@ -296,13 +285,6 @@ def run_trainer(
 
 
 # ---- the whole benchmark ---------------------------------------------------------------------------------------
-def subset(split: TokenizedSplit, rows: int) -> TokenizedSplit:
-    n = min(rows, len(split))
-    end = int(split.lengths[:n].sum())
-    extra = {k: np.array(getattr(split, k)[:n]) for k in ("labels", "prompt_lengths") if getattr(split, k) is not None}
-    return TokenizedSplit(np.array(split.input_ids[:end]), np.array(split.lengths[:n]), **extra)
-
-
 def run_all(data: Path, smoke: bool, only: list[str] | None) -> dict[str, Any]:
     """Every configuration in this process, one after the other; returns the per-configuration figures."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_train import BASE, FIXED, prepare, subset
-from benchmarks.common import ag_news_params, require_assets
+from benchmarks.bench_train import BASE, FIXED, prepare
+from benchmarks.common import ag_news_params, require_assets, subset
 
 LABELS = ["1", "2", "3", "4"]
 LORA = {"adapter.type": "lora", "adapter.target_modules": ["query", "value"], "lr": 1e-3}

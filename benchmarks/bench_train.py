@@ -32,21 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.common import ag_news_params, require_assets
+from benchmarks.common import TRAINING_BASE, ag_news_params, require_assets, subset
 
-BASE = {
-    "batch_size": 32,
-    "lr": 1e-4,
-    "epochs": 1,
-    "warmup_ratio": 0.1,
-    "max_grad_norm": 1.0,
-    "weight_decay": 0.01,
-    "data.pad_to_multiple_of": None,
-    "log_every_n_steps": 1000,
-    "checkpoint_every_n_steps": None,
-    "device": "cpu",
-    "fast_dropout": False,
-}
+BASE = {**TRAINING_BASE, "data.pad_to_multiple_of": None, "device": "cpu"}
 FIXED = {"data.bucketing": False}
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "vanilla": ("ours", FIXED),
@@ -86,15 +74,6 @@ def prepare(model_path: Path, out: Path) -> None:
     from pipelines.data.prepare import prepare_dataset
 
     prepare_dataset(ag_news_params(model_path, **BASE), Path.cwd(), out)
-
-
-def subset(split, rows: int):
-    from pipelines.data.tokenization import TokenizedSplit
-
-    n = min(rows, len(split))
-    end = int(split.lengths[:n].sum())
-    # Copies, not views of the memory-mapped files: callers may save the subset over them.
-    return TokenizedSplit(np.array(split.input_ids[:end]), np.array(split.lengths[:n]), np.array(split.labels[:n]))
 
 
 def run_ours(params, model, train, test, pad_id: int) -> dict[str, float]:

@@ -6,10 +6,37 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from pipelines.data.tokenization import TokenizedSplit
 from pipelines.params import Params, apply_overrides, load_params
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 AG_NEWS = REPO_ROOT.parent / "shared" / "data" / "ag_news"
+
+
+# One epoch at an effective batch of 32 with the usual fine-tuning settings, nothing logged mid-run:
+# what bench_train (CPU) and bench_gpu (GPU) both measure every configuration against.
+TRAINING_BASE: dict[str, Any] = {
+    "batch_size": 32,
+    "lr": 1e-4,
+    "epochs": 1,
+    "warmup_ratio": 0.1,
+    "max_grad_norm": 1.0,
+    "weight_decay": 0.01,
+    "log_every_n_steps": 1000,
+    "checkpoint_every_n_steps": None,
+    "fast_dropout": False,
+}
+
+
+def subset(split: TokenizedSplit, rows: int) -> TokenizedSplit:
+    """The first `rows` rows of a split, with its labels or prompt lengths."""
+    n = min(rows, len(split))
+    end = int(split.lengths[:n].sum())
+    extra = {k: np.array(getattr(split, k)[:n]) for k in ("labels", "prompt_lengths") if getattr(split, k) is not None}
+    # Copies, not views of the memory-mapped files: callers may save the subset over them.
+    return TokenizedSplit(np.array(split.input_ids[:end]), np.array(split.lengths[:n]), **extra)
 
 
 def minilm_path() -> Path | None:

@@ -121,14 +121,13 @@ def register_best(tracking_uri: str, model_uri: str, name: str) -> str:
 
 
 def input_examples(tokenizer: Any, split: Any, task: str, count: int = 3) -> list[str]:
-    """Raw-text inputs for the model's example, decoded from the first rows of a tokenized split."""
-    texts = []
-    for offset, length, prompt in zip(
-        split.offsets[:count], split.lengths[:count], split.prompt_lengths[:count] if task == "causal_lm" else
-        split.lengths[:count], strict=False,
-    ):  # fmt: skip
-        texts.append(tokenizer.decode(split.input_ids[offset : offset + min(length, prompt)], skip_special_tokens=True))
-    return texts
+    """Raw-text inputs for the model's example, decoded from the first rows of a tokenized split (a causal LM's
+    prompts only: what the model is given)."""
+    lengths = split.prompt_lengths if task == "causal_lm" else split.lengths
+    return [
+        tokenizer.decode(split.input_ids[offset : offset + int(length)], skip_special_tokens=True)
+        for offset, length in zip(split.offsets[:count], lengths[:count], strict=True)
+    ]
 
 
 def download_registered(model_uri: str, tracking_uri: str, dst: Path) -> tuple[Path, str]:

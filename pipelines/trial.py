@@ -322,7 +322,7 @@ def train_and_save(
         metrics |= flops_metrics(flops_per_position, metrics, device, precision, tf32, params.distributed.num_workers)
     metrics["setup_time_s"] += setup_before_engine
     metrics["save_time_s"] = time.perf_counter() - save_start
-    if logger is not None:  # the folder as the run's MLflow model (rank 0, once everything in it is written)
+    if logger is not None:  # the folder (weights, tokenizer, labels, params) as the run's MLflow model, on rank 0
         log_start = time.perf_counter()
         examples = input_examples(tokenizer, test, params.task)
         model_uri = log_trial_model(logger.client, context.experiment_id, run_id, out, params, examples, say)

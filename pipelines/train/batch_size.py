@@ -11,8 +11,7 @@ row are measured and scaled against a share of the memory available.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import psutil
@@ -23,7 +22,7 @@ from pipelines.errors import UserError
 from pipelines.params import Params, apply_overrides
 from pipelines.tasks import get_task
 from pipelines.train.device import ResolvedPrecision
-from pipelines.train.memory import SavedActivationMeter, parameter_bytes, tensor_bytes
+from pipelines.train.memory import SavedActivationMeter, parameter_bytes, restored_after, tensor_bytes
 from pipelines.train.optim import build_optimizer
 from pipelines.train.steps import backward_micro_batch, make_scaler, optimizer_step
 
@@ -73,7 +72,7 @@ def cuda_fits(
 
     The state exists before the first candidate (one step on zero gradients makes it), so every
     forward and backward is probed beside it, as training's second step will run. The caller
-    restores the weights afterwards (`restored_after`): the probe's steps change them.
+    restores the weights afterwards (`pipelines.train.memory.restored_after`): the probe's steps change them.
     """
     lr = params.lr if params.lr != "auto" else 1e-3  # the rate does not change memory
     optimizer = build_optimizer(params.optim, model, lr, params.weight_decay, device)
@@ -139,19 +138,6 @@ def cpu_fits(
     fixed = parameter_bytes(model) + trainable * (1 + optimizer_factor)
     budget = psutil.virtual_memory().available * CPU_MEMORY_SHARE
     return lambda rows: fixed + rows * meter.peak_bytes <= budget
-
-
-@contextmanager
-def restored_after(model: nn.Module) -> Iterator[None]:
-    """Put the model's weights and buffers back as they were (a host copy: the GPU is what is being probed)."""
-    saved = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-    try:
-        yield
-    finally:
-        model.load_state_dict(saved)
-        model.zero_grad(set_to_none=True)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
 
 def resolve_batch_size(

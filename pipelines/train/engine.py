@@ -28,7 +28,7 @@ from pipelines.params import Params
 from pipelines.train.checkpoint import LoopState, find_resumable, restore, save_checkpoint
 from pipelines.train.device import ResolvedPrecision, apply_tf32, resolve_pad_multiple, resolve_tf32
 from pipelines.train.fast_dropout import FastDropoutUse, fast_dropout
-from pipelines.train.memory import MemoryAtPeak, gradient_bytes, track_training_peak
+from pipelines.train.memory import MemoryAtPeak, gradient_bytes, restored_after, track_training_peak
 from pipelines.train.optim import build_optimizer, build_scheduler
 from pipelines.train.out_of_memory import OUT_OF_MEMORY, recover_from_out_of_memory
 from pipelines.train.parallel import gather_full_weights, replicate, shard, uses_fsdp
@@ -148,27 +148,24 @@ def _measure_memory(
     say: Callable[[str], None],
 ) -> MemoryAtPeak | None:
     """Peak training memory and its breakdown from two runs of the first window; the weights are then put back."""
-    # A host copy: on a GPU a device copy would take memory from (and could fail) the step being measured.
-    weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     scaler_state = scaler.state_dict()
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else []
-    try:
-        return track_training_peak(model, optimizer, device, run_window)
-    except OUT_OF_MEMORY:
-        say("the memory probe ran out of memory on the first window; training will halve micro-batches")
-        return None
-    finally:
-        model.load_state_dict(weights)
-        optimizer.state.clear()  # rebuilt lazily by the first real step
-        optimizer.zero_grad(set_to_none=True)
-        scaler.load_state_dict(scaler_state)
-        torch.set_rng_state(rng)
-        if cuda_rng:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
+    with restored_after(model):  # a host copy of the weights: on a GPU a device copy would skew the peak
+        try:
+            return track_training_peak(model, optimizer, device, run_window)
+        except OUT_OF_MEMORY:
+            say("the memory probe ran out of memory on the first window; training will halve micro-batches")
+            return None
+        finally:
+            optimizer.state.clear()  # rebuilt lazily by the first real step
+            optimizer.zero_grad(set_to_none=True)
+            scaler.load_state_dict(scaler_state)
+            torch.set_rng_state(rng)
+            if cuda_rng:
+                torch.cuda.set_rng_state_all(cuda_rng)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
 
 
 def _train(

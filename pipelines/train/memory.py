@@ -221,3 +221,16 @@ class SavedActivationMeter:
             yield
         self.peak_bytes = max(self.peak_bytes, self._current)
         self._seen = set()
+
+
+@contextmanager
+def restored_after(model: nn.Module) -> Iterator[None]:
+    """Put the model's weights and buffers back as they were (a host copy: the GPU is what is being probed)."""
+    saved = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    try:
+        yield
+    finally:
+        model.load_state_dict(saved)
+        model.zero_grad(set_to_none=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,14 +15,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import FINAL_METRICS, FOUR_VARIANTS, QUICK, git_env, run, write_params
+from tests.e2e.mlflow_ui import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_stages(root: Path, *stages: str) -> subprocess.CompletedProcess[str]:
