@@ -9,6 +9,7 @@ weights in `base/`. With `adapter.merge: true` the merged, full-size model is sa
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,10 @@ if TYPE_CHECKING:
 ADAPTER_CONFIG = "adapter_config.json"
 BASE_DIR = "base"
 BASE_REF = "base.json"
+
+# peft (0.21) reads transformers' deprecated `is_gradient_checkpointing` whenever it wraps a model: a
+# FutureWarning in every trial's and evaluation's output that is not ours to fix.
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 
 def quantize_4bit(model: PreTrainedModel, params: Params) -> PreTrainedModel:
@@ -104,6 +109,7 @@ def save_base_reference(params: Params, root: Path, out: Path) -> None:
     assert params.model.name_or_path is not None
     name = resolve_model_name(params.model, root)
     base = params.model.model_copy(update={"name_or_path": name})
+    out.mkdir(parents=True, exist_ok=True)  # written before the model: the trial's folder may not exist yet
     (out / BASE_REF).write_text(json.dumps(base.model_dump(mode="json"), indent=2, sort_keys=True) + "\n")
 
 

@@ -35,6 +35,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipelines.data.tokenization import TOKENIZER_DIR, TokenizedSplit
+from pipelines.errors import UserError
 from pipelines.params import Params, apply_overrides
 from pipelines.tasks.base import Task
 from pipelines.train.device import ResolvedPrecision
@@ -53,6 +54,18 @@ from pipelines.train.steps import (
 
 CPU = torch.device("cpu")
 _HOST_COUNTS = ("num_rows", "num_tokens")  # host-side counters of a batch, not model inputs
+
+
+class PlanUnavailable(Exception):
+    """No plan can be made for these params; the message names the model and the reason, in one line."""
+
+
+def model_label(params: Params) -> str:
+    """The model a plan is for, as the user named it."""
+    if params.model.name_or_path is None:
+        return f"the {params.task} model built from model.config"
+    gguf = f" (gguf_file {params.model.gguf_file})" if params.model.gguf_file else ""
+    return f"model {params.model.name_or_path}{gguf}"
 
 
 @dataclass(frozen=True)
@@ -165,10 +178,39 @@ def plan_memory(
 ) -> MemoryPlan:
     """Predict the peak of one training step of `params` on `train`'s first (longest) window.
 
-    `build_base` makes the model (it is called under FakeTensorMode, so its weights are never
-    allocated), `adapt` applies the adapter (called outside it: peft builds its small weights
-    for real). Predicts CPU-allocated bytes, what the trial measures on CPU.
+    `build_base` makes the model from its config (it is called under FakeTensorMode, so its
+    weights are never allocated, nor read), `adapt` applies the adapter (called outside it: peft
+    builds its small weights for real). Predicts CPU-allocated bytes, what the trial measures on
+    CPU. Raises `PlanUnavailable`, naming the model and the reason, when the step cannot be
+    planned; a `UserError` (a bad param) passes through.
     """
+    try:
+        return _plan_memory(params, task, train, build_base, adapt, pad_id, precision)
+    except (PlanUnavailable, UserError):
+        raise
+    except (DynamicOutputShapeException, DataDependentOutputException) as err:
+        raise PlanUnavailable(
+            f"{model_label(params)}: the {task.name} training step has data-dependent shapes "
+            f"({_first_line(err)}), which a plan on fake tensors cannot size"
+        ) from None
+    except Exception as err:  # noqa: BLE001 - a plan is advice: whatever breaks it, the trial can still train
+        raise PlanUnavailable(f"{model_label(params)}: {type(err).__name__}: {_first_line(err)}") from err
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else "(no message)"
+
+
+def _plan_memory(
+    params: Params,
+    task: Task,
+    train: TokenizedSplit,
+    build_base: Callable[[], nn.Module],
+    adapt: Callable[[nn.Module], nn.Module],
+    pad_id: int,
+    precision: ResolvedPrecision,
+) -> MemoryPlan:
     start = time.perf_counter()
     sampler = training_sampler(train, params)
     window = plan_windows(sampler.batches(0), params.grad_accum_steps)[0]
@@ -205,23 +247,17 @@ def plan_memory(
 
         # The engine's CPU dropout (its attention swap needs real outputs to check, so it is not tried here).
         dropout = fast_dropout(model) if params.fast_dropout and not params.compile else nullcontext()
-        try:
-            with dropout:
-                peak = track_training_peak(model, optimizer, CPU, step)
-                # FLOPs of one more step, as torch counts them (matmuls, convolutions, attention); the
-                # model's FLOPs exclude checkpointing's recomputed forward, so that step runs without it.
-                step_flops = model_flops = _count_flops(step)
-                if params.grad_checkpointing:
-                    model.gradient_checkpointing_disable()
-                    model_flops = _count_flops(step)
-                # The planned micro-batches stand for the whole window: FLOPs scale with its positions.
-                scale = all_positions / sum(int(b["input_ids"].numel()) for b in batches)
-                step_flops, model_flops = int(step_flops * scale), int(model_flops * scale)
-        except (DynamicOutputShapeException, DataDependentOutputException) as err:
-            raise NotImplementedError(
-                f"task {task.name}: its training step has data-dependent shapes ({err}), which a plan on fake "
-                "tensors cannot size yet"
-            ) from None
+        with dropout:
+            peak = track_training_peak(model, optimizer, CPU, step)
+            # FLOPs of one more step, as torch counts them (matmuls, convolutions, attention); the
+            # model's FLOPs exclude checkpointing's recomputed forward, so that step runs without it.
+            step_flops = model_flops = _count_flops(step)
+            if params.grad_checkpointing:
+                model.gradient_checkpointing_disable()
+                model_flops = _count_flops(step)
+            # The planned micro-batches stand for the whole window: FLOPs scale with its positions.
+            scale = all_positions / sum(int(b["input_ids"].numel()) for b in batches)
+            step_flops, model_flops = int(step_flops * scale), int(model_flops * scale)
         state = [v for kept in optimizer.state.values() for v in kept.values() if isinstance(v, torch.Tensor)]
         state = [v for v in state if v.numel() > 1]  # as the trial counts: moments and factors, not scalar steps
     plan = MemoryPlan(
@@ -270,12 +306,12 @@ def plan_variants(params: Params, root: Path, tokenized: Path) -> dict[str, Memo
                 variant,
                 task,
                 train,
-                lambda v=variant, t=task: t.build_model(v, tokenizer, tokenized, root),
+                lambda v=variant, t=task: t.build_model(v, tokenizer, tokenized, root, weights=False),
                 lambda model, v=variant, t=task: apply_adapter(model, v.adapter, t, v),
                 tokenizer.pad_token_id,
                 resolve_precision(variant, CPU),
             )
-        except NotImplementedError as err:
+        except PlanUnavailable as err:
             plans[name] = str(err)
     return plans
 

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    BertConfig,
+    BertForSequenceClassification,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 from pipelines.errors import UserError
 from pipelines.params import ModelParams
@@ -25,9 +34,10 @@ def resolve_model_name(model: ModelParams, root: Path) -> str:
 
 
 def build_model(
-    model: ModelParams, label_names: list[str], vocab_size: int, max_length: int, root: Path
+    model: ModelParams, label_names: list[str], vocab_size: int, max_length: int, root: Path, *, weights: bool = True
 ) -> PreTrainedModel:
-    """Return a sequence classifier with `len(label_names)` outputs and named labels."""
+    """Return a sequence classifier with `len(label_names)` outputs and named labels (see `load_pretrained`
+    for `weights`)."""
     id2label = dict(enumerate(label_names))
     label2id = {name: i for i, name in id2label.items()}
     if model.name_or_path is None:
@@ -50,13 +60,47 @@ def build_model(
         AutoModelForSequenceClassification,
         model,
         root,
+        weights=weights,
         num_labels=len(label_names),
         id2label=id2label,
         label2id=label2id,
     )
 
 
-def load_pretrained(auto_class: Any, model: ModelParams, root: Path, **kwargs: Any) -> PreTrainedModel:
+def _where(model: ModelParams) -> str:
+    gguf = f" (gguf_file {model.gguf_file!r})" if model.gguf_file else ""
+    return f"model.name_or_path = {model.name_or_path!r}{gguf}"
+
+
+@functools.lru_cache(maxsize=8)
+def _read_config(name: str, revision: str | None, gguf_file: str | None, trust_remote_code: bool) -> PretrainedConfig:
+    # Cached: a GGUF file's header takes seconds to parse, and a budget search plans many times.
+    return AutoConfig.from_pretrained(name, revision=revision, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
+
+
+def pretrained_config(model: ModelParams, root: Path, **overrides: Any) -> PretrainedConfig:
+    """The config of model.name_or_path (folder, hub id or GGUF file), with `overrides` set on a copy.
+
+    A GGUF file's config says the weights are quantized; they load de-quantized (see `load_pretrained`),
+    so that flag is dropped here too.
+    """
+    name = resolve_model_name(model, root)
+    try:
+        config = copy.deepcopy(_read_config(name, model.revision, model.gguf_file, model.trust_remote_code))
+    except (OSError, ValueError) as err:
+        raise UserError(
+            f"{_where(model)}: cannot read its config from a local folder or the hub ({str(err).splitlines()[0]})"
+        ) from None
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def load_pretrained(
+    auto_class: Any, model: ModelParams, root: Path, *, weights: bool = True, **kwargs: Any
+) -> PreTrainedModel:
     """`auto_class.from_pretrained` for model.name_or_path at model.revision, de-quantizing model.gguf_file.
 
     Master weights load in fp32 (autocast handles mixed precision). A GGUF file is de-quantized
@@ -64,7 +108,15 @@ def load_pretrained(auto_class: Any, model: ModelParams, root: Path, **kwargs: A
     `config.quantization_config`): the Hugging Face Trainer then refuses to train it and
     `save_pretrained` writes the flag into the saved config. The weights are plain fp32
     tensors, so the flags are cleared here.
+
+    `weights=False` builds the same architecture from its config alone, with freshly initialised
+    weights and nothing read but the config: what the memory plan needs (memory depends on shapes,
+    dtypes and code, not on weight values), and it works under FakeTensorMode, where GGUF
+    de-quantization, which computes on real tensors, cannot run.
     """
+    if not weights:
+        config = pretrained_config(model, root, **kwargs)
+        return auto_class.from_config(config, dtype=torch.float32, trust_remote_code=model.trust_remote_code)
     name = resolve_model_name(model, root)
     try:
         loaded = auto_class.from_pretrained(
@@ -77,9 +129,7 @@ def load_pretrained(auto_class: Any, model: ModelParams, root: Path, **kwargs: A
         )
     except (OSError, ValueError) as err:
         raise UserError(
-            f"model.name_or_path = {model.name_or_path!r}"
-            + (f" (gguf_file {model.gguf_file!r})" if model.gguf_file else "")
-            + f": cannot load a model from a local folder or the hub ({str(err).splitlines()[0]})"
+            f"{_where(model)}: cannot load a model from a local folder or the hub ({str(err).splitlines()[0]})"
         ) from None
     quantizer = getattr(loaded, "hf_quantizer", None)
     if model.gguf_file is not None and quantizer is not None:

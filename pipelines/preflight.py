@@ -19,7 +19,7 @@ from pipelines.adapters import apply_adapter
 from pipelines.budget import Planner, describe, fit_to_budget, largest_fitting_batch
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
-from pipelines.memory_plan import MemoryPlan, plan_memory
+from pipelines.memory_plan import MemoryPlan, PlanUnavailable, plan_memory
 from pipelines.params import Params
 from pipelines.tasks.base import Task
 from pipelines.train.batch_size import CPU_MEMORY_SHARE
@@ -28,11 +28,15 @@ from pipelines.train.device import resolve_precision
 
 @dataclass(frozen=True)
 class Preflight:
-    """The params to train with, their plan (None when the task cannot be planned), and a note on both."""
+    """The params to train with, their plan (None when not planned yet, or not plannable), and a note on both.
+
+    `unavailable` says why no plan could be made (the trial trains without one), else None.
+    """
 
     params: Params
     plan: MemoryPlan | None
     note: str
+    unavailable: str | None = None
 
 
 def trial_planner(
@@ -48,7 +52,7 @@ def trial_planner(
                 params,
                 task,
                 train,
-                lambda: task.build_model(params, tokenizer, tokenized, root),
+                lambda: task.build_model(params, tokenizer, tokenized, root, weights=False),
                 lambda model: apply_adapter(model, params.adapter, task, params),
                 int(tokenizer.pad_token_id),  # type: ignore[arg-type]
                 resolve_precision(params, device),
@@ -82,15 +86,15 @@ def plan_before_training(params: Params, plan: Planner, device: torch.device) ->
             return Preflight(params, None, "batch_size auto: probed on the device")
         predicted = plan(params)
         return Preflight(params, predicted, f"planned in {predicted.plan_time_s:.1f} s")
-    except NotImplementedError as err:
+    except PlanUnavailable as err:
         if params.memory_budget is not None:
             raise UserError(f"memory_budget needs a memory plan, and this run has none: {err}") from None
-        return Preflight(params, None, f"not planned: {err}")
+        return Preflight(params, None, f"not planned: {err}", unavailable=str(err))
 
 
 def plan_or_none(plan: Planner, params: Params) -> MemoryPlan | None:
-    """The plan of `params`, or None when the task cannot be planned."""
+    """The plan of `params`, or None when it cannot be planned."""
     try:
         return plan(params)
-    except NotImplementedError:
+    except PlanUnavailable:
         return None

@@ -72,23 +72,35 @@ def check_server(configured: str, uri: str, timeout_s: float = 5.0) -> None:
     )
 
 
+# MLflow 3's UI opens an experiment by its kind: without this tag it may guess "GenAI" (traces, judges,
+# prompts); model training opens on runs, metrics and models. A kind the user picked in the UI is kept.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+
+
 def open_experiment(tracking: TrackingParams, root: Path) -> tuple[MlflowClient, str]:
-    """Return a client and the experiment id, creating the experiment once if needed."""
+    """Return a client and the experiment id, creating the experiment once if needed, marked as model training."""
     uri = resolve_tracking_uri(tracking.uri, root)
     if uri.startswith(("http://", "https://")):
         check_server(tracking.uri, uri)
     try:
         client = MlflowClient(tracking_uri=uri)
         experiment = client.get_experiment_by_name(tracking.experiment)
-        if experiment is not None:
-            return client, experiment.experiment_id
-        try:
-            return client, client.create_experiment(tracking.experiment, artifact_location=artifact_root(uri, root))
-        except Exception:  # noqa: BLE001 - another process created it first
+        if experiment is None:
+            try:
+                client.create_experiment(
+                    tracking.experiment,
+                    artifact_location=artifact_root(uri, root),
+                    tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND},
+                )
+            except Exception:  # noqa: BLE001 - another process created it first
+                pass
             experiment = client.get_experiment_by_name(tracking.experiment)
             if experiment is None:
-                raise
-            return client, experiment.experiment_id
+                raise RuntimeError(f"experiment {tracking.experiment!r} could not be created")
+        if EXPERIMENT_KIND_TAG not in experiment.tags:  # made before this tag, or by another tool
+            client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+        return client, experiment.experiment_id
     except Exception as err:  # noqa: BLE001 - any failure here means the store is unusable
         raise UserError(
             f"tracking.uri = {tracking.uri!r}: the MLflow store is unreachable or unusable "

@@ -223,6 +223,8 @@ def train_and_save(
     planner = trial_planner(task, train, tokenizer, tokenized, root, device)
     preflight = plan_before_training(params, planner, device)
     params = preflight.params
+    if preflight.unavailable is not None and rank == 0:
+        print(f"[{variant}] no memory plan for {preflight.unavailable}; training without one", flush=True)
     precision = resolve_precision(params, device)
     if logger:
         logger.log_tags({"precision.resolved": precision, "device.resolved": str(device), "task": params.task})

@@ -50,16 +50,39 @@ _NON_METRIC_KEYS = {
 }
 
 
+# The trials' processes (not the driver, which draws their progress bars with tqdm): no per-file or
+# per-tensor progress bars from the libraries they call (transformers' GGUF de-quantization and weight
+# loading, the hub's downloads). tqdm reads TQDM_* once, at import, so they are set when a worker starts.
+WORKER_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
 def init_ray(num_cpus: int, address: str | None) -> None:
     """Join the cluster at `address`, else start a local one sized to this machine, dashboard off."""
     import ray
 
     if ray.is_initialized():
         return
+    runtime_env = {"env_vars": WORKER_ENV}
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, configure_logging=False)
+        ray.init(
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            log_to_driver=True,
+            configure_logging=False,
+            runtime_env=runtime_env,
+        )
+
+
+def tune_verbosity(params: Params) -> int:
+    """Ray Tune's console output: its trial-status table only for a sweep of several trials.
+
+    A single trial has its own progress (a bar on a terminal, a line per epoch); Tune's table,
+    reprinted every 30 s ("Trial status: 1 RUNNING"), would only bury it.
+    """
+    sweep = len(params.tune.variants) > 1 or params.tune.num_samples > 1 or bool(params.tune.search_space)
+    return 1 if sweep else 0
 
 
 def _dimension(dim: SearchDim) -> Any:
@@ -225,7 +248,7 @@ def run_tuning(
                 name=f"train-{parent_run_id[:8]}",
                 storage_path=str((root / "ray_results").resolve()),
                 callbacks=[JsonLoggerCallback(), CSVLoggerCallback()],
-                verbose=1,
+                verbose=tune_verbosity(params),
             ),
         )
         results = tuner.fit()

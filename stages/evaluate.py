@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
+import os
+
+# No per-tensor progress bars while the model loads (transformers' GGUF de-quantization); tqdm reads TQDM_*
+# once, at import, so this comes before anything that imports it.
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 from pipelines.atomic import atomic_write_json, atomic_write_text
 from pipelines.errors import run_cli

@@ -85,9 +85,13 @@ class Task(ABC):
     # ---- model ----------------------------------------------------------------------------
     @abstractmethod
     def build_model(
-        self, params: Params, tokenizer: PreTrainedTokenizerBase, meta_dir: Path, root: Path
+        self, params: Params, tokenizer: PreTrainedTokenizerBase, meta_dir: Path, root: Path, *, weights: bool = True
     ) -> PreTrainedModel:
-        """The model to fine-tune: from model.config (offline) or pretrained by name, folder or GGUF file."""
+        """The model to fine-tune: from model.config (offline) or pretrained by name, folder or GGUF file.
+
+        `weights=False`: a pretrained model's architecture from its config alone, weights freshly initialised
+        and none read (the memory plan builds it so, under FakeTensorMode); config-built models are the same.
+        """
 
     @abstractmethod
     def load_model(self, folder: Path, model: ModelParams) -> PreTrainedModel:

@@ -212,7 +212,7 @@ class CausalLmTask(Task):
         return Encoded(split, truncated)
 
     def build_model(
-        self, params: Params, tokenizer: PreTrainedTokenizerBase, meta_dir: Path, root: Path
+        self, params: Params, tokenizer: PreTrainedTokenizerBase, meta_dir: Path, root: Path, *, weights: bool = True
     ) -> PreTrainedModel:
         if params.model.name_or_path is None:
             cfg = params.model.config
@@ -233,7 +233,7 @@ class CausalLmTask(Task):
             return LlamaForCausalLM(config)
         from pipelines.model import load_pretrained
 
-        return load_pretrained(AutoModelForCausalLM, params.model, root)
+        return load_pretrained(AutoModelForCausalLM, params.model, root, weights=weights)
 
     def load_model(self, folder: Path, model: ModelParams) -> PreTrainedModel:
         return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)

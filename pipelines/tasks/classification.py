@@ -64,11 +64,12 @@ class ClassificationTask(Task):
         return {"num_labels": len(names)}
 
     def build_model(
-        self, params: Params, tokenizer: PreTrainedTokenizerBase, meta_dir: Path, root: Path
+        self, params: Params, tokenizer: PreTrainedTokenizerBase, meta_dir: Path, root: Path, *, weights: bool = True
     ) -> PreTrainedModel:
         from pipelines.model import build_model
 
-        return build_model(params.model, load_label_names(meta_dir), len(tokenizer), params.data.max_length, root)
+        labels = load_label_names(meta_dir)
+        return build_model(params.model, labels, len(tokenizer), params.data.max_length, root, weights=weights)
 
     def load_model(self, folder: Path, model: ModelParams) -> PreTrainedModel:
         from pipelines.model import load_trained

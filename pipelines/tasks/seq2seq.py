@@ -145,7 +145,7 @@ class Seq2SeqTask(Task):
         return Encoded(TokenizedSplit(flat, lengths, prompt_lengths=np.asarray(source_lengths, np.int32)), truncated)
 
     def build_model(
-        self, params: Params, tokenizer: PreTrainedTokenizerBase, meta_dir: Path, root: Path
+        self, params: Params, tokenizer: PreTrainedTokenizerBase, meta_dir: Path, root: Path, *, weights: bool = True
     ) -> PreTrainedModel:
         if params.model.name_or_path is None:
             cfg = params.model.config
@@ -165,7 +165,7 @@ class Seq2SeqTask(Task):
             return T5ForConditionalGeneration(config)
         from pipelines.model import load_pretrained
 
-        return load_pretrained(AutoModelForSeq2SeqLM, params.model, root)
+        return load_pretrained(AutoModelForSeq2SeqLM, params.model, root, weights=weights)
 
     def load_model(self, folder: Path, model: ModelParams) -> PreTrainedModel:
         return AutoModelForSeq2SeqLM.from_pretrained(str(folder), dtype=torch.float32)

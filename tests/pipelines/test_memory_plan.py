@@ -91,3 +91,60 @@ def test_every_variant_is_planned_from_the_tokenized_split(default_params, tmp_p
     assert checkpointing.activations < vanilla.activations and checkpointing.peak < vanilla.peak
     table = plan_table(plans)
     assert all(f"| {name} |" in table for name in variants)
+
+
+def test_a_run_that_cannot_be_planned_trains_without_a_plan_and_says_why_in_one_line(default_params):
+    from pipelines.errors import UserError
+    from pipelines.preflight import plan_before_training
+    from tests.pipelines.tasks.test_seq2seq import WordTokenizer as S2STokenizer
+    from tests.pipelines.tasks.test_seq2seq import s2s_params, s2s_split
+
+    # seq2seq's loss still selects its targets by a mask: a data-dependent shape fake tensors cannot size.
+    params = s2s_params(default_params, epochs=1, batch_size=4)
+    task = get_task("seq2seq")
+
+    def planner(p: Params):
+        build = lambda: task.build_model(p, S2STokenizer(), Path("."), Path("."))  # noqa: E731
+        return plan_memory(p, task, s2s_split(rows=8), build, lambda model: model, 0, "fp32")
+
+    preflight = plan_before_training(params, planner, CPU)
+    assert preflight.plan is None and preflight.params == params
+    reason = preflight.unavailable
+    assert reason is not None and "\n" not in reason
+    assert reason.startswith("the seq2seq model built from model.config: ") and "data-dependent shapes" in reason
+    with pytest.raises(UserError, match="memory_budget needs a memory plan.*seq2seq model"):
+        plan_before_training(tiny_params(params, memory_budget="1GB"), planner, CPU)
+
+
+@pytest.mark.slow
+def test_a_gguf_model_is_planned_from_its_config_and_its_weights_are_never_read(default_params, tmp_path):
+    from pipelines.data.tokenization import load_pretrained_tokenizer
+    from pipelines.memory_plan import PlanUnavailable
+    from tests.pipelines.test_gguf_model import GGUF_FILE, smollm2_folder
+
+    folder = smollm2_folder()
+    params = lm_params(
+        default_params,
+        **{"model.name_or_path": str(folder), "model.gguf_file": GGUF_FILE, "adapter.type": "lora", "batch_size": 2},
+    )
+    task = get_task("causal_lm")
+    tokenizer = load_pretrained_tokenizer(params.model, tmp_path)
+    train = lm_split(rows=4, seed=1)
+
+    def adapt(model: torch.nn.Module) -> torch.nn.Module:
+        return apply_adapter(model, params.adapter, task, params)
+
+    # What every trial did before: de-quantizing GGUF weights computes on real tensors, which fake mode refuses.
+    # Whatever breaks a plan comes back as one line naming the model.
+    with pytest.raises(PlanUnavailable, match=f"^model {folder} \\(gguf_file {GGUF_FILE}\\): ") as refused:
+        plan_memory(params, task, train, lambda: task.build_model(params, tokenizer, tmp_path, tmp_path), adapt, 0,
+                    "fp32")  # fmt: skip
+    assert "\n" not in str(refused.value)
+
+    plan = plan_memory(
+        params, task, train, lambda: task.build_model(params, tokenizer, tmp_path, tmp_path, weights=False), adapt, 0,
+        "fp32",
+    )  # fmt: skip
+    # SmolLM2-135M: 134,515,008 fp32 weights (embeddings tied to the head), of which LoRA's alone train.
+    assert plan.parameters >= 134_515_008 * 4 and 0 < plan.trainable_parameters < plan.parameters / 100
+    assert plan.optimizer_state == 2 * plan.trainable_parameters and plan.peak > plan.parameters
