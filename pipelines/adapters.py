@@ -30,6 +30,9 @@ BASE_REF = "base.json"
 # peft (0.21) reads transformers' deprecated `is_gradient_checkpointing` whenever it wraps a model: a
 # FutureWarning in every trial's and evaluation's output that is not ours to fix.
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+# Saving an adapter over a GGUF base: peft looks for the base's config.json (to see whether embeddings were
+# resized) and warns when the folder holds a GGUF file instead; the base's embeddings are frozen here.
+warnings.filterwarnings("ignore", message="Could not find a config file in", category=UserWarning)
 
 
 def quantize_4bit(model: PreTrainedModel, params: Params) -> PreTrainedModel:

@@ -64,6 +64,7 @@ def init_ray(num_cpus: int, address: str | None) -> None:
         return
     runtime_env = {"env_vars": WORKER_ENV}
     if address:
+        use_cluster_token()
         ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
     else:
         ray.init(
@@ -73,6 +74,20 @@ def init_ray(num_cpus: int, address: str | None) -> None:
             configure_logging=False,
             runtime_env=runtime_env,
         )
+
+
+def use_cluster_token() -> None:
+    """Authenticate to a cluster started by `ray start` with its token, when this machine has one.
+
+    Ray 2.5x+ clusters require a token by default, and `ray start` writes it to ~/.ray/auth_token
+    (or a user sets RAY_AUTH_TOKEN), but a driver joining by address sends it only in token mode:
+    without this, `RAY_ADDRESS=... dvc repro` fails with "Authentication token is missing or
+    incorrect". An explicit RAY_AUTH_MODE is kept.
+    """
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    if os.environ.get("RAY_AUTH_TOKEN") or (Path.home() / ".ray" / "auth_token").is_file():
+        os.environ["RAY_AUTH_MODE"] = "token"
 
 
 def tune_verbosity(params: Params) -> int:

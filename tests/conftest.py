@@ -79,6 +79,34 @@ def project_copy(tmp_path: Path) -> Path:
     return dest
 
 
+def kill_session(session_id: int, timeout: float = 30) -> None:
+    """SIGKILL every process of session `session_id`, one a test started with `start_new_session=True`.
+
+    That is what the test started and nothing else: DVC, the stage, and the Ray cluster and trials
+    the stage started (Ray's driver leaves the process group, with `setpgrp`, but not the session),
+    or a server and its workers. Never Ray's own stop command, which kills every Ray process on the machine.
+    """
+    import signal
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = []
+        for process in psutil.process_iter():
+            try:
+                if os.getsid(process.pid) == session_id and process.status() != psutil.STATUS_ZOMBIE:
+                    os.kill(process.pid, signal.SIGKILL)
+                    alive.append(process)
+            except (OSError, psutil.Error):  # gone already, or not ours to signal
+                continue
+        if not alive:
+            return
+        psutil.wait_procs(alive, timeout=2)
+    raise AssertionError(f"processes of session {session_id} outlived SIGKILL for {timeout} s")
+
+
 def write_params(root: Path, overrides: dict[str, Any]) -> None:
     """Set dotted-key overrides in `root/params.yaml` (what `dvc exp run -S` does)."""
     import yaml

@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import kill_session
+
 # Clicks every row's expand toggle (unlabelled buttons inside grid rows), so nested trial runs show.
 EXPAND_ROWS = """(() => {
   const toggles = [...document.querySelectorAll(".ag-row button")]
@@ -59,13 +61,13 @@ def mlflow_ui(store: Path) -> Iterator[str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
          "--backend-store-uri", f"sqlite:///{store}", "--workers", "1"],
-        cwd=store.parent, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=store.parent, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     try:
         wait_for(f"http://127.0.0.1:{port}/health", 60)
         yield f"http://127.0.0.1:{port}"
     finally:
-        proc.kill()
+        kill_session(proc.pid)  # uvicorn, the job runner and its consumers too, not only the parent
         proc.wait()
 
 

