@@ -67,7 +67,10 @@ def init_ray(num_cpus: int, address: str | None) -> None:
         use_cluster_token()
         ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
     else:
+        # "local": always a new cluster of our own. Without it ray.init joins whatever cluster
+        # /tmp/ray/ray_current_cluster names: another user's `ray start`, or one killed without cleanup.
         ray.init(
+            address="local",
             num_cpus=num_cpus,
             include_dashboard=False,
             log_to_driver=True,
@@ -82,12 +85,16 @@ def use_cluster_token() -> None:
     Ray 2.5x+ clusters require a token by default, and `ray start` writes it to ~/.ray/auth_token
     (or a user sets RAY_AUTH_TOKEN), but a driver joining by address sends it only in token mode:
     without this, `RAY_ADDRESS=... dvc repro` fails with "Authentication token is missing or
-    incorrect". An explicit RAY_AUTH_MODE is kept.
+    incorrect". Ray's own switch (the one a new local cluster uses): it keeps an explicit RAY_AUTH_MODE,
+    and also refreshes Ray's config, which was read when ray was imported.
     """
-    if "RAY_AUTH_MODE" in os.environ:
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # a Ray without token authentication
         return
-    if os.environ.get("RAY_AUTH_TOKEN") or (Path.home() / ".ray" / "auth_token").is_file():
-        os.environ["RAY_AUTH_MODE"] = "token"
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def tune_verbosity(params: Params) -> int:
