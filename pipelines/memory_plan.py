@@ -18,6 +18,7 @@ are small), then swapped for fake ones. The optimizer state is counted exactly f
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -167,6 +168,35 @@ def _all_fake(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
     return model
 
 
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else "(no message)"
+
+
+def _unavailable_on_failure(plan: Callable[..., MemoryPlan]) -> Callable[..., MemoryPlan]:
+    """`plan`, with whatever breaks it raised as one `PlanUnavailable` line naming the model and the reason.
+
+    A plan is advice: the trial can still train without one. A `UserError` (a bad param) passes through.
+    """
+
+    @functools.wraps(plan)
+    def planned(params: Params, task: Task, *args: object) -> MemoryPlan:
+        try:
+            return plan(params, task, *args)
+        except (PlanUnavailable, UserError):
+            raise
+        except (DynamicOutputShapeException, DataDependentOutputException) as err:
+            raise PlanUnavailable(
+                f"{model_label(params)}: the {task.name} training step has data-dependent shapes "
+                f"({_first_line(err)}), which a plan on fake tensors cannot size"
+            ) from None
+        except Exception as err:  # noqa: BLE001 - see above
+            raise PlanUnavailable(f"{model_label(params)}: {type(err).__name__}: {_first_line(err)}") from err
+
+    return planned
+
+
+@_unavailable_on_failure
 def plan_memory(
     params: Params,
     task: Task,
@@ -184,33 +214,6 @@ def plan_memory(
     CPU. Raises `PlanUnavailable`, naming the model and the reason, when the step cannot be
     planned; a `UserError` (a bad param) passes through.
     """
-    try:
-        return _plan_memory(params, task, train, build_base, adapt, pad_id, precision)
-    except (PlanUnavailable, UserError):
-        raise
-    except (DynamicOutputShapeException, DataDependentOutputException) as err:
-        raise PlanUnavailable(
-            f"{model_label(params)}: the {task.name} training step has data-dependent shapes "
-            f"({_first_line(err)}), which a plan on fake tensors cannot size"
-        ) from None
-    except Exception as err:  # noqa: BLE001 - a plan is advice: whatever breaks it, the trial can still train
-        raise PlanUnavailable(f"{model_label(params)}: {type(err).__name__}: {_first_line(err)}") from err
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0][:300] if text else "(no message)"
-
-
-def _plan_memory(
-    params: Params,
-    task: Task,
-    train: TokenizedSplit,
-    build_base: Callable[[], nn.Module],
-    adapt: Callable[[nn.Module], nn.Module],
-    pad_id: int,
-    precision: ResolvedPrecision,
-) -> MemoryPlan:
     start = time.perf_counter()
     sampler = training_sampler(train, params)
     window = plan_windows(sampler.batches(0), params.grad_accum_steps)[0]
