@@ -206,14 +206,10 @@ def plan_memory(
     pad_id: int,
     precision: ResolvedPrecision,
 ) -> MemoryPlan:
-    """Predict the peak of one training step of `params` on `train`'s first (longest) window.
+    """Predict the peak of one training step of `params` on `train`'s first (longest) window, in CPU bytes.
 
-    `build_base` makes the model from its config (it is called under FakeTensorMode, so its
-    weights are never allocated, nor read), `adapt` applies the adapter (called outside it: peft
-    builds its small weights for real). Predicts CPU-allocated bytes, what the trial measures on
-    CPU. Raises `PlanUnavailable`, naming the model and the reason, when the step cannot be
-    planned; a `UserError` (a bad param) passes through.
-    """
+    `build_base` makes the model from its config under FakeTensorMode (no weight allocated or read), `adapt`
+    applies the adapter outside it (peft builds its small weights for real); see `_unavailable_on_failure`."""
     start = time.perf_counter()
     sampler = training_sampler(train, params)
     window = plan_windows(sampler.batches(0), params.grad_accum_steps)[0]

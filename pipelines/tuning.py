@@ -20,6 +20,7 @@ from pipelines.params import (
     ray_address,
     tune_objective,
 )
+from pipelines.ray_cluster import init_ray
 from pipelines.tracking import (
     close_dangling_children,
     git_commit,
@@ -48,53 +49,6 @@ _NON_METRIC_KEYS = {
     "iterations_since_restore",
     "epoch",
 }
-
-
-# The trials' processes (not the driver, which draws their progress bars with tqdm): no per-file or
-# per-tensor progress bars from the libraries they call (transformers' GGUF de-quantization and weight
-# loading, the hub's downloads). tqdm reads TQDM_* once, at import, so they are set when a worker starts.
-WORKER_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-
-
-def init_ray(num_cpus: int, address: str | None) -> None:
-    """Join the cluster at `address`, else start a local one sized to this machine, dashboard off."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    runtime_env = {"env_vars": WORKER_ENV}
-    if address:
-        use_cluster_token()
-        ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
-    else:
-        # "local": always a new cluster of our own. Without it ray.init joins whatever cluster
-        # /tmp/ray/ray_current_cluster names: another user's `ray start`, or one killed without cleanup.
-        ray.init(
-            address="local",
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            log_to_driver=True,
-            configure_logging=False,
-            runtime_env=runtime_env,
-        )
-
-
-def use_cluster_token() -> None:
-    """Authenticate to a cluster started by `ray start` with its token, when this machine has one.
-
-    Ray 2.5x+ clusters require a token by default, and `ray start` writes it to ~/.ray/auth_token
-    (or a user sets RAY_AUTH_TOKEN), but a driver joining by address sends it only in token mode:
-    without this, `RAY_ADDRESS=... dvc repro` fails with "Authentication token is missing or
-    incorrect". Ray's own switch (the one a new local cluster uses): it keeps an explicit RAY_AUTH_MODE,
-    and also refreshes Ray's config, which was read when ray was imported.
-    """
-    try:
-        from ray._private.authentication.authentication_token_setup import (
-            maybe_enable_token_auth_if_token_available,
-        )
-    except ImportError:  # a Ray without token authentication
-        return
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def tune_verbosity(params: Params) -> int:
