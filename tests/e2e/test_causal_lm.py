@@ -21,6 +21,7 @@ def test_causal_lm_experiment_runs_offline_with_lora_and_reports_generation_qual
     run(["git", "commit", "-qam", "full, lora and packed variants"], root)
 
     run(["dvc", "exp", "run", "-S", "task=causal_lm"], root, timeout=900)
+    assert_packing_re_trains(root)
 
     tokenize = json.loads((root / "metrics/tokenize.json").read_text())
     assert tokenize["train"]["truncated_fraction"] == 0.0  # the generator's rows fit data.max_length
@@ -76,3 +77,19 @@ def test_causal_lm_experiment_runs_offline_with_lora_and_reports_generation_qual
     for column in columns:
         assert column in header, header
     assert "Accuracy" not in header and "| full |" in report and "| lora |" in report
+
+
+def assert_packing_re_trains(root: Path) -> None:
+    """On this causal_lm baseline, `-S data.packing=true` re-runs train (it once re-ran only tokenize).
+
+    DVC's own re-run decision, read with `dvc status` after the change: train must list data.packing
+    among its changed params (tokenize's outputs do not change with it, so nothing else would re-run train).
+    """
+    params = (root / "params.yaml").read_text()
+    write_params(root, {"data.packing": True})
+    try:
+        status = json.loads(run(["dvc", "status", "--json"], root).stdout)
+    finally:
+        (root / "params.yaml").write_text(params)
+    changed = [entry.get("changed params", {}).get("params.yaml", {}) for entry in status.get("train", [])]
+    assert any("data.packing" in entry for entry in changed), status

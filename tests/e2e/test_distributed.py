@@ -84,3 +84,25 @@ def test_two_workers_match_one_worker_with_the_same_global_batch_and_log_one_run
     assert worst < LOSS_TOLERANCE, f"FSDP vs DDP: largest loss difference {worst:.2e}"
     assert sharded.data.metrics["test_accuracy"] == pytest.approx(trial.data.metrics["test_accuracy"], abs=0.01)
     assert sharded.data.metrics["param_bytes"] < 0.6 * trial.data.metrics["param_bytes"]  # each worker: its half
+
+
+def test_a_causal_lm_experiment_on_two_workers_completes_and_reports_its_own_metrics(project_copy):
+    """`dvc exp run -S task=causal_lm -S distributed.num_workers=2`: rank 0's final metrics are the task's own.
+
+    The workers' final report once read `test_accuracy`, a key only classification writes: every causal_lm or
+    seq2seq trial on two workers failed after training.
+    """
+    root = project_copy
+    write_params(root, {"data.generator.num_rows": 300, "epochs": 1, "batch_size": 8, "eval.max_new_tokens": 8})
+    run(["git", "commit", "-qam", "small causal_lm run"], root)
+
+    run(["dvc", "exp", "run", "-S", "task=causal_lm", "-S", "distributed.num_workers=2"], root, timeout=800)
+
+    evaluate = json.loads((root / "metrics/evaluate.json").read_text())
+    assert {"test_loss", "test_exact_match", "test_token_accuracy"} <= set(evaluate), evaluate
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("finetune")
+    trial = next(r for r in client.search_runs([exp.experiment_id]) if "mlflow.parentRunId" in r.data.tags)
+    assert trial.info.status == "FINISHED", trial.data.tags.get("error")
+    assert trial.data.metrics["world_size"] == 2
+    assert "test_exact_match" in trial.data.metrics and "test_accuracy" not in trial.data.metrics

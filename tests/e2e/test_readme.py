@@ -75,8 +75,8 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
 
 
 def command_blocks() -> list[tuple[Path, str]]:
-    """The ```bash blocks of README.md and docs/*.md, with the file each is in."""
-    files = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+    """The ```bash blocks of README.md and docs/**/*.md, with the file each is in."""
+    files = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").rglob("*.md"))]
     return [(f, block) for f in files for block in re.findall(r"```bash\n(.*?)```", f.read_text(), re.S)]
 
 

@@ -1,4 +1,4 @@
-"""Every user error in README's table: named clearly, exit 1, no traceback, no output touched."""
+"""Every user error in docs/reference/errors.md's table: named clearly, exit 1, no traceback, no output touched."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tests.conftest import run, write_params
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-# (what, stage, params overrides, file to write, expected text) — the same rows as README's table.
+# (what, stage, params overrides, file to write, expected text) — the same rows as docs/reference/errors.md's table.
 CASES = [
     ("unknown key", "tokenize", {"optimizer": "adamw"}, None, "optimizer: unknown key"),
     ("wrong type", "tokenize", {"epochs": "three"}, None, "epochs = 'three': Input should be a valid integer"),
@@ -122,10 +122,10 @@ def test_user_error(tokenized_copy: Path, what, stage, overrides, file, expected
     assert digests(root) == before
 
 
-def test_readme_lists_every_user_error():
+def test_the_errors_page_lists_every_user_error():
     from tests.conftest import REPO_ROOT
 
-    readme = (REPO_ROOT / "README.md").read_text()
+    page = (REPO_ROOT / "docs/reference/errors.md").read_text()
     for what, _, _, _, expected in CASES:
-        assert f"| {what} |" in readme, what
-        assert expected.split(": ", 1)[-1][:30] in readme, expected
+        assert f"| {what} |" in page, what
+        assert expected.split(": ", 1)[-1][:30] in page, expected

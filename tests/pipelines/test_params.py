@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from pipelines.params import ParamsError, apply_overrides, flatten_params, load_params, parse_params
-from pipelines.params_doc import BEGIN, END, reference_markdown
+from pipelines.params.docs import BEGIN, END, PAGE, reference_markdown
 from tests.conftest import REPO_ROOT, tiny_params
 
 
@@ -115,10 +115,10 @@ def test_load_params_errors_name_the_file(tmp_path: Path):
         load_params(scalar)
 
 
-def test_readme_params_reference_matches_schema(default_params):
-    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split(BEGIN, 1)[1].split(END, 1)[0].strip()
-    assert section == reference_markdown(default_params), "README is stale: run `python -m pipelines.params_doc`"
+def test_params_reference_page_matches_schema(default_params):
+    page = (REPO_ROOT / PAGE).read_text(encoding="utf-8")
+    section = page.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    assert section == reference_markdown(default_params), f"{PAGE} is stale: run `python -m pipelines.params.docs`"
     for key in flatten_params(default_params):
         assert f"| `{key}` |" in section
 

@@ -26,8 +26,8 @@ def test_torch_load_is_weights_only_and_models_are_saved_as_safetensors():
 
 def test_remote_code_is_off_by_default_and_docs_bind_servers_to_loopback(default_params):
     assert default_params.model.trust_remote_code is False
-    readme = (REPO_ROOT / "README.md").read_text()
-    for command in re.findall(r"mlflow (?:ui|server) --[^\n`]*", readme):
+    docs = "\n".join(p.read_text() for p in [REPO_ROOT / "README.md", *(REPO_ROOT / "docs").rglob("*.md")])
+    for command in re.findall(r"mlflow (?:ui|server) --[^\n`]*", docs):
         # Loopback, or (the cluster section) a private address the reader fills in; never all interfaces.
         assert "--host 127.0.0.1" in command or "--host <private-ip>" in command, command
         assert "--host 0.0.0.0" not in command, command

@@ -1,7 +1,7 @@
-"""The params reference in README.md, generated from the schema and params.yaml.
+"""The params reference (docs/reference/params.md), generated from the schema and params.yaml.
 
-`python -m pipelines.params_doc` rewrites the section between the markers; a test
-fails when the README and the schema drift apart.
+`python -m pipelines.params.docs` rewrites the section between the markers; a test
+fails when the page and the schema drift apart.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pipelines.params import Params, flatten_params, load_params
 
 BEGIN = "<!-- params-reference:begin -->"
 END = "<!-- params-reference:end -->"
+PAGE = "docs/reference/params.md"
 
 
 def _annotated_bounds(metadata: Any) -> str:
@@ -69,13 +70,13 @@ def reference_markdown(params: Params) -> str:
     return "\n".join(lines + _rows(Params, "", flatten_params(params)))
 
 
-def render_readme(readme: str, params: Params) -> str:
-    """`readme` with the section between the markers replaced by the current reference."""
-    head, rest = readme.split(BEGIN, 1)
+def render_page(page: str, params: Params) -> str:
+    """`page` with the section between the markers replaced by the current reference."""
+    head, rest = page.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     return f"{head}{BEGIN}\n{reference_markdown(params)}\n{END}{tail}"
 
 
 if __name__ == "__main__":
-    path = Path(sys.argv[1] if len(sys.argv) > 1 else "README.md")
-    path.write_text(render_readme(path.read_text(encoding="utf-8"), load_params()), encoding="utf-8")
+    path = Path(sys.argv[1] if len(sys.argv) > 1 else PAGE)
+    path.write_text(render_page(path.read_text(encoding="utf-8"), load_params()), encoding="utf-8")

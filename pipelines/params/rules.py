@@ -1,0 +1,97 @@
+"""The rules across fields of `Params`, as a table: when each combination is refused, and what to do instead.
+
+A rule is a predicate on the whole params and a message that names both keys, the values and the fix. The
+first rule that holds is reported; the order below is the order a user fixes things in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+from pipelines.params.sections import FSDP_OPTIMIZERS
+
+if TYPE_CHECKING:
+    from pipelines.params.schema import Params
+
+
+class Rule(NamedTuple):
+    """A refused combination: `when(params)` holds -> ValueError(`message(params)`)."""
+
+    when: Callable[[Params], bool]
+    message: Callable[[Params], str]
+
+
+def _one_of_prompt_and_response(p: Params) -> bool:
+    return (
+        p.task == "causal_lm"
+        and p.data.messages_column is None
+        and ((p.data.prompt_column is None) != (p.data.response_column is None))
+    )
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(lambda p: p.batch_size == "auto" and p.effective_batch_size is None,
+         lambda p: "batch_size: auto needs effective_batch_size (the rows per optimizer step to keep)"),
+    Rule(lambda p: p.batch_size == "auto" and p.grad_accum_steps != 1,
+         lambda p: "batch_size: auto chooses grad_accum_steps itself; set grad_accum_steps: 1 "
+                   f"(got {p.grad_accum_steps})"),
+    Rule(lambda p: p.batch_size != "auto" and p.effective_batch_size is not None,
+         lambda p: f"effective_batch_size ({p.effective_batch_size}) is only used with batch_size: auto; "
+                   f"with batch_size {p.batch_size} the effective batch is batch_size x grad_accum_steps; "
+                   "set it to null"),
+    Rule(lambda p: p.batch_size == "auto" and p.data.max_tokens_per_batch is not None,
+         lambda p: "batch_size: auto and data.max_tokens_per_batch both size batches; choose one"),
+    Rule(lambda p: p.adapter.type == "qlora" and p.device == "cpu",
+         lambda p: "adapter.type = 'qlora' needs CUDA: its base model is quantized to 4-bit NF4 by bitsandbytes, "
+                   "whose 4-bit kernels run on GPUs only; with device: cpu use adapter.type: lora"),
+    Rule(lambda p: p.adapter.type == "qlora" and p.adapter.merge,
+         lambda p: "adapter.merge: true with adapter.type: qlora would merge into a 4-bit base (rounding the "
+                   "update away); save the adapter (adapter.merge: false), or merge into an fp32 base after "
+                   "training"),
+    Rule(lambda p: p.optim == "adamw_8bit" and p.device == "cpu",
+         lambda p: "optim: adamw_8bit runs on CUDA only (bitsandbytes); device: cpu cannot use it"),
+    Rule(lambda p: p.precision == "fp16" and p.device == "cpu",
+         lambda p: "precision: fp16 (with loss scaling) is for GPUs; with device: cpu use precision: bf16, fp32 "
+                   "or auto"),
+    Rule(lambda p: p.persistent_workers and p.num_workers == 0,
+         lambda p: "persistent_workers: true needs num_workers > 0 (there are no workers to keep)"),
+    Rule(lambda p: bool(p.distributed.use_gpu) and p.device == "cpu",
+         lambda p: "distributed.use_gpu: true gives each worker a GPU; device: cpu cannot use it"),
+    Rule(_one_of_prompt_and_response,
+         lambda p: f"task: causal_lm needs data.prompt_column and data.response_column together (got "
+                   f"{p.data.prompt_column!r} and {p.data.response_column!r}); set both, or neither for plain "
+                   "language modelling of data.text_column"),
+    Rule(lambda p: p.data.packing and p.task != "causal_lm",
+         lambda p: f"data.packing: true packs causal-LM examples; task: {p.task} keeps one example per row "
+                   "(set data.packing: false, or task: causal_lm)"),
+    Rule(lambda p: p.task == "causal_lm" and not isinstance(p.data.text_column, str),
+         lambda p: "task: causal_lm reads one data.text_column (a string), not a list of columns"),
+    Rule(lambda p: p.strategy == "auto" and p.memory_budget is None,
+         lambda p: "strategy: auto chooses the fastest plan that fits memory_budget; set memory_budget "
+                   "(e.g. '8GB'), or strategy: manual"),
+    Rule(lambda p: p.distributed.num_workers > 1 and p.lr == "auto",
+         lambda p: "lr: auto runs its range test in one process; with distributed.num_workers > 1 set lr "
+                   "explicitly (run the test once with num_workers: 1, then use the lr_found it logs)"),
+    # What FSDP2 sharding supports here: elementwise optimizers, full fine-tuning, eager mode.
+    Rule(lambda p: p.distributed.strategy == "fsdp" and p.optim not in FSDP_OPTIMIZERS,
+         lambda p: f"distributed.strategy: fsdp shards every weight across workers, and optim = {p.optim!r} "
+                   f"does not run on sharded weights (Adafactor factors whole matrices); allowed with fsdp: "
+                   f"{', '.join(FSDP_OPTIMIZERS)}"),
+    Rule(lambda p: p.distributed.strategy == "fsdp" and p.adapter.type != "none",
+         lambda p: f"distributed.strategy: fsdp with adapter.type = {p.adapter.type!r} is not supported: an "
+                   "adapter's trainable weights are small, so use distributed.strategy: ddp"),
+    Rule(lambda p: p.distributed.strategy == "fsdp" and p.compile,
+         lambda p: "distributed.strategy: fsdp with compile: true is not supported yet; use compile: false"),
+    Rule(lambda p: p.distributed.num_workers > 1 and p.batch_size == "auto",
+         lambda p: "batch_size: auto probes one process's memory; with distributed.num_workers > 1 set "
+                   "batch_size (per worker) explicitly"),
+)  # fmt: skip
+
+
+def first_broken_rule(params: Params) -> str | None:
+    """The message of the first rule `params` break, or None when every combination is allowed."""
+    for rule in RULES:
+        if rule.when(params):
+            return rule.message(params)
+    return None
