@@ -32,9 +32,9 @@ CONFIGS = {
 
 def run_one(name: str, root: Path, train_rows: int, batch: int) -> dict[str, float]:
     from benchmarks.common import subset
-    from pipelines.data.prepare import prepare_dataset
     from pipelines.data.tokenization import TokenizedSplit
-    from pipelines.tuning import run_tuning
+    from pipelines.prepare import prepare_dataset
+    from pipelines.trials.tuning import run_tuning
 
     model_path = require_assets()
     params = ag_news_params(

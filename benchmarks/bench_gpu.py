@@ -156,9 +156,9 @@ def run_ours(
     device: torch.device, flops_per_position: float,
 ) -> dict[str, float]:  # fmt: skip
     """Train one configuration with the engine; its own metrics, MFU and (for the classifier) test accuracy."""
-    from pipelines.evaluation import evaluate_model
+    from pipelines.runtime import resolve_precision, resolve_tf32
     from pipelines.tasks import get_task
-    from pipelines.train.device import resolve_precision, resolve_tf32
+    from pipelines.tasks.classification_scoring import evaluate_model
     from pipelines.train.engine import train_model
     from pipelines.train.flops import flops_metrics
 
@@ -189,7 +189,14 @@ def run_ours(
     }
     if test is not None:
         evaluation = evaluate_model(
-            model, test, LABELS, params, pad_id=meta["pad_id"], device=device, precision=precision
+            model,
+            test,
+            LABELS,
+            params,
+            pad_id=meta["pad_id"],
+            device=device,
+            precision=precision,
+            task=task,
         )
         out["accuracy"] = evaluation.metrics["test_accuracy"]
     del model, result

@@ -100,7 +100,7 @@ def params_for(folder: Path, data: Path, **overrides: Any) -> Params:
 
 def prepare(folder: Path, out: Path, train_rows: int, test_rows: int) -> dict[str, Any]:
     """Write the rows as a train/validation/test folder and tokenize them as the tokenize stage does."""
-    from pipelines.data.prepare import prepare_dataset
+    from pipelines.prepare import prepare_dataset
 
     rows = instruction_rows()
     source = out / "source"
@@ -201,11 +201,10 @@ def run_one(name: str, work: Path, folder: Path, seed: int) -> dict[str, Any]:
 
     from pipelines.adapters import apply_adapter
     from pipelines.data.tokenization import TOKENIZER_DIR, TokenizedSplit
+    from pipelines.recipe import seed_everything
     from pipelines.tasks import get_task
-    from pipelines.tasks.generation import score_generation
     from pipelines.train.engine import train_model
     from pipelines.train.memory import peak_rss_bytes
-    from pipelines.trial import seed_everything
 
     engine, overrides = CONFIGS[name]
     params = params_for(folder, work / "source", seed=seed, **overrides)
@@ -246,7 +245,7 @@ def run_one(name: str, work: Path, folder: Path, seed: int) -> dict[str, Any]:
         result = train_trl(params, model, tokenizer, work / "source")
         model = result.pop("model")
     precision = "fp32" if engine == "none" else params.precision
-    scored = score_generation(model, tokenizer, test, params, torch.device("cpu"), precision)
+    scored = task.evaluate(model, tokenizer, test, work, params, torch.device("cpu"), precision)  # work: no metadata
     result.update(
         {k: scored.metrics[k] for k in ("test_exact_match", "test_exact_match_ci_low", "test_exact_match_ci_high")}
     )

@@ -69,8 +69,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=Path(__file__).with_name("bench_lr_results.json"))
     args = parser.parse_args()
-    from pipelines.data.prepare import prepare_dataset
     from pipelines.params import load_params
+    from pipelines.prepare import prepare_dataset
 
     root = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as tmp:

@@ -52,7 +52,7 @@ def bench_params(folder: Path, source: Path, **overrides: Any) -> Params:
 
 def prepare(folder: Path, out: Path, train_rows: int, test_rows: int) -> dict[str, Any]:
     """The rows as a train/validation/test folder, tokenized as the tokenize stage does (at max_length 256)."""
-    from pipelines.data.prepare import prepare_dataset
+    from pipelines.prepare import prepare_dataset
 
     rows = instruction_rows()
     source = out / "source"
@@ -68,10 +68,9 @@ def run_one(name: str, work: Path, folder: Path, seed: int) -> dict[str, Any]:
 
     from pipelines.adapters import apply_adapter
     from pipelines.data.tokenization import TOKENIZER_DIR, TokenizedSplit
+    from pipelines.recipe import seed_everything
     from pipelines.tasks import get_task
-    from pipelines.tasks.generation import score_generation
     from pipelines.train.engine import train_model
-    from pipelines.trial import seed_everything
 
     params = bench_params(folder, work / "source", seed=seed, **CONFIGS[name])
     torch.set_num_threads(2)
@@ -96,8 +95,8 @@ def run_one(name: str, work: Path, folder: Path, seed: int) -> dict[str, Any]:
     )
     wall = time.perf_counter() - start
     m = trained.metrics
-    scored = score_generation(model, tokenizer, TokenizedSplit.load(tokenized / "test"), params, torch.device("cpu"),
-                              params.precision)  # fmt: skip
+    test = TokenizedSplit.load(tokenized / "test")
+    scored = task.evaluate(model, tokenizer, test, tokenized, params, torch.device("cpu"), params.precision)
     return {
         "rows_per_epoch": len(rows),
         "examples": len(train),

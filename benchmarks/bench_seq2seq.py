@@ -58,9 +58,9 @@ def run_one(name: str, data: Path, epochs: int) -> dict[str, float]:
     from transformers import AutoTokenizer
 
     from pipelines.data.tokenization import TOKENIZER_DIR, TokenizedSplit
+    from pipelines.recipe import seed_everything
     from pipelines.tasks import get_task
     from pipelines.train.engine import train_model
-    from pipelines.trial import seed_everything
 
     params = params_for(epochs, **CONFIGS[name])
     torch.set_num_threads(2)
@@ -105,7 +105,7 @@ def main() -> None:
     if args.only:
         print("RESULT " + json.dumps(run_one(args.only, args.data, args.epochs)))
         return
-    from pipelines.data.prepare import prepare_dataset
+    from pipelines.prepare import prepare_dataset
 
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -17,9 +17,10 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from benchmarks.common import ag_news_params, require_assets
-from pipelines.data.prepare import prepare_dataset
 from pipelines.data.sources import load_splits
 from pipelines.data.tokenization import encode_texts, join_texts
+from pipelines.prepare import prepare_dataset
+from pipelines.tasks import get_task
 
 CONFIGS = {
     "fixed padding (vanilla)": {"data.bucketing": False, "data.pad_to_multiple_of": None},
@@ -43,7 +44,8 @@ def main() -> None:
         print(f"{name:32} {stats['pad_fraction_configured']:12.1%} {stats['pad_fraction_fixed']:9.1%}")
 
     params = ag_news_params(model)
-    texts = join_texts(load_splits(params.data, params.seed, Path.cwd())["train"]["texts"].tolist(), "[SEP]")
+    splits = load_splits(params.data, params.seed, Path.cwd(), get_task(params.task))
+    texts = join_texts(splits["train"]["texts"].tolist(), "[SEP]")
     tokenizer = AutoTokenizer.from_pretrained(model)
     encode_texts(tokenizer, texts[:500], 128)  # warm-up
     start = time.perf_counter()

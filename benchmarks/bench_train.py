@@ -71,13 +71,14 @@ LIKE_FOR_LIKE = (
 
 
 def prepare(model_path: Path, out: Path) -> None:
-    from pipelines.data.prepare import prepare_dataset
+    from pipelines.prepare import prepare_dataset
 
     prepare_dataset(ag_news_params(model_path, **BASE), Path.cwd(), out)
 
 
 def run_ours(params, model, train, test, pad_id: int) -> dict[str, float]:
-    from pipelines.evaluation import evaluate_model
+    from pipelines.tasks import get_task
+    from pipelines.tasks.classification_scoring import evaluate_model
     from pipelines.train.engine import train_model
 
     start = time.perf_counter()
@@ -94,7 +95,14 @@ def run_ours(params, model, train, test, pad_id: int) -> dict[str, float]:
     wall = time.perf_counter() - start
     names = ["1", "2", "3", "4"]
     accuracy = evaluate_model(
-        model, test, names, params, pad_id=pad_id, device=torch.device("cpu"), precision=params.precision
+        model,
+        test,
+        names,
+        params,
+        pad_id=pad_id,
+        device=torch.device("cpu"),
+        precision=params.precision,
+        task=get_task("classification"),
     ).metrics["test_accuracy"]
     m = result.metrics
     return {
@@ -196,8 +204,8 @@ def run_one(name: str, data_dir: Path, model_path: Path, train_rows: int, epochs
 
     from pipelines.data.tokenization import TokenizedSplit
     from pipelines.model import build_model
+    from pipelines.recipe import seed_everything
     from pipelines.train.memory import peak_rss_bytes
-    from pipelines.trial import seed_everything
 
     engine, overrides = CONFIGS[name]
     params = ag_news_params(model_path, **{**BASE, "epochs": epochs, "seed": seed, **overrides})

@@ -10,12 +10,14 @@ counts, so their noise is zero; a single run's time has no noise estimate, which
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from mlflow.tracking import MlflowClient
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient  # the client is passed in: pipelines.tracking opens it
 
 from pipelines.noise import binomial_se, exceeds_noise, mean_sd, repeats_se
-from pipelines.tracking import child_runs
+from pipelines.task_registry import TASKS
+from pipelines.tracking.runs import child_runs
 
 BASELINE_VARIANT = "vanilla"
 MB = 1024 * 1024
@@ -51,24 +53,26 @@ SPEED_MEMORY_COLUMNS = (
     Column("Activations", "peak_activation_bytes", " MB", scale=1 / MB, digits=2, relative=True, noise="exact"),
     Column("Peak RSS", "peak_rss_bytes", " MB", scale=1 / MB, digits=0),
 )
-# Quality follows the task; each task's first quality column is its headline (the Δ column's).
-QUALITY_COLUMNS = {
-    "classification": (
-        Column("Accuracy", "test_accuracy", "", scale=100, digits=2, noise="binomial", interval=True),
-        Column("Macro-F1", "test_macro_f1", "", scale=100, digits=2, interval=True),
-    ),
-    "causal_lm": (
-        Column("Exact match", "test_exact_match", "", scale=100, digits=2, noise="binomial", interval=True),
-        Column("Token accuracy", "test_token_accuracy", "", scale=100, digits=2),
-        Column("Perplexity", "test_perplexity", "", digits=2),
-    ),
-    "seq2seq": (
-        Column("BLEU", "test_bleu", "", digits=2),
-        Column("chrF", "test_chrf", "", digits=2),
-        Column("Exact match", "test_exact_match", "", scale=100, digits=2, noise="binomial", interval=True),
-        Column("Perplexity", "test_perplexity", "", digits=2),
-    ),
-}
+
+
+def quality_columns(task: str) -> tuple[Column, ...]:
+    """The task's quality columns (pipelines.tasks: `Task.quality`); the first is its headline (the Δ column's)."""
+    from pipelines.tasks import get_task
+
+    return tuple(
+        Column(
+            q.header,
+            q.metric,
+            "",
+            scale=q.scale,
+            digits=q.digits,
+            noise="binomial" if q.binomial else "none",
+            interval=q.interval,
+        )  # fmt: skip
+        for q in get_task(task).quality
+    )
+
+
 # Shown when a trial froze parameters (LoRA): gradients and optimizer state exist for the trainable ones only.
 TRAINABLE_COLUMN = Column(
     "Trainable params", "trainable_param_bytes", " MB", scale=1 / MB, digits=2, relative=True, noise="exact"
@@ -77,13 +81,14 @@ TRAINABLE_COLUMN = Column(
 PLAN_COLUMN = Column(
     "Predicted peak", "predicted_peak_train_memory_bytes", " MB", scale=1 / MB, versus="peak_train_memory_bytes"
 )
-COLUMNS = SPEED_MEMORY_COLUMNS + QUALITY_COLUMNS["classification"]
+# The classifier's columns (the default task's).
+COLUMNS = SPEED_MEMORY_COLUMNS + quality_columns("classification")
 DELTA_HEADER = "Δ accuracy vs baseline"
 
 
 def task_of_rows(rows: list[TrialRow]) -> str:
     """The task the trials ran (their `task` tag; runs from before tasks existed are classifiers)."""
-    return next((r.tags["task"] for r in rows if r.tags.get("task") in QUALITY_COLUMNS), "classification")
+    return next((r.tags["task"] for r in rows if r.tags.get("task") in TASKS), "classification")
 
 
 def columns_for(task: str, rows: list[TrialRow] | None = None) -> tuple[Column, ...]:
@@ -91,12 +96,12 @@ def columns_for(task: str, rows: list[TrialRow] | None = None) -> tuple[Column, 
     frozen = any(r.metrics.get("frozen_param_bytes", 0.0) > 0 for r in rows or [])
     planned = all(PLAN_COLUMN.metric in r.metrics for r in rows or [] if r.status == "FINISHED") and bool(rows)
     extra = ((TRAINABLE_COLUMN,) if frozen else ()) + ((PLAN_COLUMN,) if planned else ())
-    return SPEED_MEMORY_COLUMNS + extra + QUALITY_COLUMNS[task]
+    return SPEED_MEMORY_COLUMNS + extra + quality_columns(task)
 
 
 def delta_header(task: str) -> str:
     """Header of the column that gives the headline quality's difference to the baseline."""
-    header = QUALITY_COLUMNS[task][0].header
+    header = quality_columns(task)[0].header
     return f"Δ {header if header.isupper() else header.lower()} vs baseline"
 
 
@@ -225,7 +230,7 @@ def comparison_table(rows: list[TrialRow]) -> list[list[str]]:
                 mark = noise_mark(column, group, baseline) if group is not baseline else ""  # type: ignore[arg-type]
                 cell += f" ({format_relative(group.mean(column.metric) or 0.0, base)}{mark})"
             cells.append(cell)
-        cells.append(_delta_cell(group, baseline, QUALITY_COLUMNS[task][0]))
+        cells.append(_delta_cell(group, baseline, quality_columns(task)[0]))
         table.append(cells)
     return table
 

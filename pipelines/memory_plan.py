@@ -35,18 +35,18 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils.flop_counter import FlopCounterMode
 
+from pipelines.data.loader import make_loader
 from pipelines.data.tokenization import TOKENIZER_DIR, TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.params import Params, apply_overrides
+from pipelines.runtime import ResolvedPrecision
 from pipelines.tasks.base import Task
-from pipelines.train.device import ResolvedPrecision
 from pipelines.train.fast_dropout import fast_dropout
 from pipelines.train.memory import track_training_peak
 from pipelines.train.optim import build_optimizer
 from pipelines.train.parallel import sharding_units
 from pipelines.train.steps import (
     backward_micro_batch,
-    make_loader,
     make_scaler,
     plan_windows,
     training_sampler,
@@ -289,8 +289,8 @@ def plan_variants(params: Params, root: Path, tokenized: Path) -> dict[str, Memo
     from transformers import AutoTokenizer
 
     from pipelines.adapters import apply_adapter
+    from pipelines.runtime import resolve_precision
     from pipelines.tasks import get_task
-    from pipelines.train.device import resolve_precision
 
     tokenizer = AutoTokenizer.from_pretrained(tokenized / TOKENIZER_DIR)
     train = TokenizedSplit.load(tokenized / "train")

@@ -21,9 +21,9 @@ from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.memory_plan import MemoryPlan, PlanUnavailable, plan_memory
 from pipelines.params import Params
+from pipelines.runtime import resolve_precision
 from pipelines.tasks.base import Task
 from pipelines.train.batch_size import CPU_MEMORY_SHARE
-from pipelines.train.device import resolve_precision
 
 
 @dataclass(frozen=True)

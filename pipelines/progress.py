@@ -2,7 +2,7 @@
 
 Both follow the engine's log points (every `log_every_n_steps` optimizer steps), which are also the
 loop's only host syncs, so watching costs no extra synchronization. The bar shows steps done of
-the total, the loss, samples/s and the time left; inside Ray it is `ray.experimental.tqdm_ray`,
+the total, the loss, samples/s and the time left; inside Ray the trials pass `ray.experimental.tqdm_ray`'s bar,
 which Ray draws on the driver's terminal. When the driver's stdout is not a terminal (CI, a log
 file) there is no bar, only the epoch lines.
 """
@@ -26,11 +26,12 @@ class TrialProgress:
         self,
         epochs: int,
         say: Callable[[str], None],
-        bar: bool,
+        make_bar: Callable[..., Any] | None,
         label: str = "",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.epochs, self.say, self.want_bar, self.label, self.clock = epochs, say, bar, label, clock
+        # make_bar: a tqdm-like class (inside Ray, the trials pass ray.experimental.tqdm_ray's); None: no bar.
+        self.epochs, self.say, self.make_bar, self.label, self.clock = epochs, say, make_bar, label, clock
         self.start = clock()
         self.step, self.total, self.loss, self.rows, self.rate = 0, 0, float("nan"), 0.0, float("nan")
         self._last: tuple[float, float] | None = None  # (time, rows) at the previous log point
@@ -45,7 +46,7 @@ class TrialProgress:
         if self._last is not None and now > self._last[0]:
             self.rate = (rows - self._last[1]) / (now - self._last[0])
         self._last, self.rows = (now, rows), rows
-        if self.want_bar:
+        if self.make_bar is not None:
             self._draw()
 
     def eta_s(self) -> float:
@@ -74,11 +75,8 @@ class TrialProgress:
 
     def _draw(self) -> None:
         if self._bar is None:
-            try:
-                from ray.experimental.tqdm_ray import tqdm  # drawn by the driver when inside Ray
-            except ImportError:
-                from tqdm import tqdm
-            self._bar = tqdm(total=self.total, desc=self.label, unit="step")
+            assert self.make_bar is not None
+            self._bar = self.make_bar(total=self.total, desc=self.label, unit="step")
         self._bar.update(self.step - self._bar.n)
         rate = f"{self.rate:.0f}" if self.rate == self.rate else "?"
         self._bar.set_postfix({"loss": f"{self.loss:.4f}", "samples/s": rate})

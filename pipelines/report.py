@@ -12,24 +12,26 @@ import html
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import matplotlib
 
 matplotlib.use("Agg")  # no display on servers and in CI
 import matplotlib.pyplot as plt  # noqa: E402
-from mlflow.tracking import MlflowClient  # noqa: E402
+
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient  # the client is passed in: pipelines.tracking opens it
 
 from pipelines.comparison import (  # noqa: E402
     COLUMNS,
     LEGEND,
     MB,
-    QUALITY_COLUMNS,
     TrialRow,
     comparison_table,
     format_metric,
     format_relative,
     load_rows,
+    quality_columns,
     task_of_rows,
     unknown_noise_note,
 )
@@ -46,7 +48,7 @@ def markdown_table(table: list[list[str]]) -> str:
 
 def plot_comparison(rows: list[TrialRow], path: Path) -> None:
     """Bars of train time, peak memory and the task's headline quality per trial, side by side."""
-    quality = QUALITY_COLUMNS[task_of_rows(rows)][0]
+    quality = quality_columns(task_of_rows(rows))[0]
     finished = [r for r in rows if r.status == "FINISHED"]
     names = [r.name for r in finished]
     panels = (
@@ -118,7 +120,7 @@ def plot_lr_range(client: MlflowClient, rows: list[TrialRow], path: Path) -> boo
 
 def plot_tradeoff(rows: list[TrialRow], path: Path) -> None:
     """Train time against accuracy, bubble size by peak memory, with the Pareto front (faster and better) marked."""
-    quality = QUALITY_COLUMNS[task_of_rows(rows)][0]
+    quality = quality_columns(task_of_rows(rows))[0]
     finished = [r for r in rows if r.status == "FINISHED" and quality.metric in r.metrics]
     fig, ax = plt.subplots(figsize=(7, 4.6))
     times = [r.metrics.get("train_time_s", 0.0) for r in finished]

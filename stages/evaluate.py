@@ -27,8 +27,8 @@ PREDICTIONS = Path("predictions/test.csv")
 def main() -> None:
     params = load_params()
     from pipelines.evaluation import evaluate_saved_model
-    from pipelines.mlflow_model import model_to_evaluate
-    from pipelines.tracking import log_evaluation, open_store
+    from pipelines.tracking.mlflow_model import model_to_evaluate
+    from pipelines.tracking.runs import log_evaluation, open_store
 
     # The store first: it closes runs whose process died (kill -9) even if evaluation fails below.
     client, _ = open_store(params.tracking, resolve_repo_root())

@@ -16,7 +16,7 @@ OUT_DIR = Path("reports")
 def main() -> None:
     params = load_params()
     from pipelines.report import build_report
-    from pipelines.tracking import open_store
+    from pipelines.tracking.runs import open_store
 
     summary = json.loads(TRIALS.read_text())
     client, _ = open_store(params.tracking, resolve_repo_root())

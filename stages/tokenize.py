@@ -14,7 +14,7 @@ METRICS = Path("metrics/tokenize.json")
 
 def main() -> None:
     params = load_params()
-    from pipelines.data.prepare import prepare_dataset  # after validation: fail fast, import heavy code later
+    from pipelines.prepare import prepare_dataset  # after validation: fail fast, import heavy code later
 
     with atomic_dir(OUT_DIR) as tmp:
         stats = prepare_dataset(params, Path.cwd(), tmp)

@@ -18,8 +18,8 @@ PLOT = Path("plots/train_loss.json")
 
 def main() -> None:
     params = load_params()
-    from pipelines.train.device import check_runtime
-    from pipelines.tuning import BEST_DIR, best_trial_metrics, run_tuning, tokenize_metrics
+    from pipelines.runtime import check_runtime
+    from pipelines.trials.tuning import BEST_DIR, best_trial_metrics, run_tuning, tokenize_metrics
 
     check_runtime(params)
     stats = tokenize_metrics(json.loads(TOKENIZE_METRICS.read_text()))

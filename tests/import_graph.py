@@ -75,6 +75,10 @@ def imports_of(module: str) -> frozenset[str]:
             for alias in node.names:
                 child = f"{base}.{alias.name}"
                 found.add(child if module_file(child) else base)
+    if module == "pipelines.tasks":  # get_task imports the registry's modules by name (importlib)
+        from pipelines.task_registry import TASKS
+
+        found.update(target.partition(":")[0] for target in TASKS.values())
     return frozenset(m for m in found if module_file(m) and m != module)
 
 

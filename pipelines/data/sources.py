@@ -99,10 +99,6 @@ def read_source(data: DataParams, root: Path, task: Task) -> dict[str, pd.DataFr
     return _load_hub(data.source)
 
 
-def _text_columns(data: DataParams) -> list[str]:
-    return [data.text_column] if isinstance(data.text_column, str) else list(data.text_column)
-
-
 def check_columns(table: pd.DataFrame, wanted: list[str], where: str) -> None:
     """Fail, naming the split, when a wanted column is missing or the split has no rows."""
     missing = [c for c in wanted if c not in table.columns]
@@ -110,21 +106,6 @@ def check_columns(table: pd.DataFrame, wanted: list[str], where: str) -> None:
         raise DataError(f"{where}: missing column(s) {missing}; columns present: {list(table.columns)}")
     if table.empty:
         raise DataError(f"{where}: the split is empty")
-
-
-def normalize_table(table: pd.DataFrame, data: DataParams, where: str) -> pd.DataFrame:
-    """Check the columns and rows of one classification split; return columns `texts` (tuples) and `label` (str)."""
-    check_columns(table, _text_columns(data) + [data.label_column], where)
-    texts = table[_text_columns(data)].astype(str)
-    empty = (texts.apply(lambda col: col.str.strip() == "")).all(axis=1)
-    if empty.any():
-        row = int(empty.to_numpy().nonzero()[0][0])
-        raise DataError(f"{where}: row {row} has an empty text in {_text_columns(data)}; drop or fill such rows")
-    labels = table[data.label_column]
-    if labels.isna().any() or (labels.astype(str).str.strip() == "").any():
-        row = int((labels.isna() | (labels.astype(str).str.strip() == "")).to_numpy().nonzero()[0][0])
-        raise DataError(f"{where}: row {row} has no label in column {data.label_column!r}")
-    return pd.DataFrame({"texts": list(texts.itertuples(index=False, name=None)), "label": labels.astype(str)})
 
 
 def make_splits(tables: dict[str, pd.DataFrame], data: DataParams, seed: int) -> dict[str, pd.DataFrame]:
@@ -157,12 +138,8 @@ def make_splits(tables: dict[str, pd.DataFrame], data: DataParams, seed: int) ->
     return {s: out[s] for s in SPLITS}
 
 
-def load_splits(data: DataParams, seed: int, root: Path, task: Task | None = None) -> dict[str, pd.DataFrame]:
-    """Read the source, check every split as the task wants (default: classification), return the three splits."""
-    if task is None:
-        from pipelines.tasks import get_task
-
-        task = get_task("classification")
+def load_splits(data: DataParams, seed: int, root: Path, task: Task) -> dict[str, pd.DataFrame]:
+    """Read the source, check every split as `task` wants, return the three splits."""
     raw = read_source(data, root, task)
     names = {s: f"data.source {data.source!r}, split {s!r}" for s in raw}
     tables = {s: task.normalize_table(t, data, names[s]) for s, t in raw.items()}

@@ -10,7 +10,7 @@ only pydantic and PyYAML on purpose: it must not pay for torch or Ray before it 
     tune        the tune section and its search-space dimensions
     schema      `Params`; rules: its cross-field rules as a table
     stage_keys  which params each DVC stage reads (dvc.yaml is checked against it)
-    errors, loading, overrides, objectives: reading, overriding and interpreting params
+    errors, loading, overrides: reading and overriding params
 """
 
 from pipelines.params.errors import ParamsError, format_validation_error
@@ -29,7 +29,6 @@ from pipelines.params.fields import (
     parse_bytes,
 )
 from pipelines.params.loading import load_params, parse_params, ray_address, resolve_repo_root
-from pipelines.params.objectives import TASK_OBJECTIVES, tune_objective
 from pipelines.params.overrides import apply_overrides, flatten_params, set_dotted
 from pipelines.params.schema import Params
 from pipelines.params.sections import (
@@ -58,12 +57,12 @@ from pipelines.params.tune import (
 )
 
 __all__ = [
-    "FSDP_OPTIMIZERS", "GENERATOR_SOURCE", "STAGE_PARAMS", "TASK_OBJECTIVES", "TOKENIZE_STAGE_KEYS",
+    "FSDP_OPTIMIZERS", "GENERATOR_SOURCE", "STAGE_PARAMS", "TOKENIZE_STAGE_KEYS",
     "AdapterParams", "AdapterType", "BatchSize", "Bytes", "ChoiceDim", "DataParams", "DeviceName",
     "DistributedParams", "EvalParams", "GeneratorParams", "GridDim", "LearningRate", "LogUniformDim",
     "LrRangeTestParams", "LrSchedule", "ModelConfigParams", "ModelParams", "Optimizer", "Params", "ParamsError",
     "Precision", "RandIntDim", "ResourcesParams", "SearchDim", "StrictModel", "TaskName", "TrackingParams",
     "TuneParams", "UniformDim", "apply_overrides", "candidate_values", "flatten_params", "format_validation_error",
     "load_params", "parse_bytes", "parse_params", "ray_address", "resolve_repo_root", "set_dotted",
-    "tokenize_stage_key", "tune_objective",
+    "tokenize_stage_key",
 ]  # fmt: skip

@@ -10,11 +10,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, PlainValidator
 from pydantic_core import PydanticCustomError
 
+from pipelines.task_registry import TASKS
+
 Optimizer = Literal["adamw", "adafactor", "adamw_8bit", "lion", "sgd"]
 Precision = Literal["fp32", "fp16", "bf16", "auto"]
 LrSchedule = Literal["constant", "linear", "cosine", "onecycle", "cyclic", "reduce_on_plateau"]
 DeviceName = Literal["auto", "cpu", "cuda"]
-TaskName = Literal["classification", "causal_lm", "seq2seq"]
+# The registered tasks (pipelines.task_registry): a new task is allowed here by its registry line alone.
+TaskName = Literal[tuple(TASKS)]  # type: ignore[valid-type]
 AdapterType = Literal["none", "lora", "qlora"]
 
 GENERATOR_SOURCE = "generator"

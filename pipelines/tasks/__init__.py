@@ -2,24 +2,33 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import importlib
+from typing import TYPE_CHECKING, Literal
+
+from pipelines.task_registry import TASKS
 
 if TYPE_CHECKING:
+    from pipelines.params import Params
     from pipelines.tasks.base import Task
+
+# Metric names that are better when lower, for a tune.metric whose tune.mode is auto.
+_LOWER_IS_BETTER = ("loss", "perplexity", "time", "bytes")
 
 
 def get_task(name: str) -> Task:
     """The task named by the `task` param (its module is imported on first use)."""
-    if name == "classification":
-        from pipelines.tasks.classification import ClassificationTask
+    if name not in TASKS:
+        raise ValueError(f"task = {name!r} is not known; choose {', '.join(TASKS)}")
+    module, _, cls = TASKS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)()
 
-        return ClassificationTask()
-    if name == "causal_lm":
-        from pipelines.tasks.causal_lm import CausalLmTask
 
-        return CausalLmTask()
-    if name == "seq2seq":
-        from pipelines.tasks.seq2seq import Seq2SeqTask
-
-        return Seq2SeqTask()
-    raise ValueError(f"task = {name!r} is not known; choose classification, causal_lm or seq2seq")
+def tune_objective(params: Params) -> tuple[str, Literal["max", "min"]]:
+    """(metric, mode) that picks the best trial: tune.metric/mode, with auto resolved by the task's objective."""
+    metric, mode = params.tune.metric, params.tune.mode
+    if metric == "auto":
+        metric, task_mode = get_task(params.task).objective
+        return metric, task_mode if mode == "auto" else mode
+    if mode == "auto":
+        mode = "min" if any(word in metric for word in _LOWER_IS_BETTER) else "max"
+    return metric, mode

@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import pandas as pd
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from pipelines.data.batching import PadCollator
     from pipelines.data.tokenization import TokenizedSplit
-    from pipelines.train.device import ResolvedPrecision
+    from pipelines.runtime import ResolvedPrecision
 
 
 @dataclass
@@ -35,6 +35,18 @@ class EvaluationResult:
     metrics: dict[str, float]
     predictions: pd.DataFrame
     plots: dict[str, list[dict[str, object]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class QualityMetric:
+    """A test metric the report shows for a task: its header, the MLflow metric, and how it reads."""
+
+    header: str
+    metric: str
+    scale: float = 1.0  # 100 for a share shown in %
+    digits: int = 2
+    binomial: bool = False  # a share of test rows: its noise is binomial
+    interval: bool = False  # logged with `<metric>_ci_low` / `_ci_high` (a 95% interval)
 
 
 @dataclass(frozen=True)
@@ -51,6 +63,26 @@ class Task(ABC):
     name: str
     # The peft task type of LoRA adapters on this task's models (see pipelines.adapters).
     peft_task_type: str
+    # The validation metric that picks the best trial when tune.metric is auto, and its direction.
+    objective: tuple[str, Literal["max", "min"]]
+    # The report's quality columns; the first is the headline (its Δ to the baseline is shown).
+    quality: tuple[QualityMetric, ...]
+    # The column a served model (pipelines.tracking.mlflow_pyfunc) reads its raw texts from.
+    input_column: str
+
+    # ---- serving: raw texts in, texts out (the logged MLflow model) -----------------------
+    @abstractmethod
+    def predict_texts(
+        self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, params: Params, labels: list[str] | None,
+        texts: list[str],
+    ) -> list[str]:  # fmt: skip
+        """What the model answers to raw `texts`, on the CPU: label names, or generated text."""
+
+    def example_texts(self, tokenizer: PreTrainedTokenizerBase, split: TokenizedSplit, count: int = 3) -> list[str]:
+        """Raw-text inputs decoded from the first rows of a tokenized split (the served model's input example)."""
+        rows = range(min(count, len(split)))
+        return [tokenizer.decode(split.input_ids[split.offsets[i] : split.offsets[i] + split.lengths[i]],
+                                 skip_special_tokens=True) for i in rows]  # fmt: skip
 
     # ---- data: source rows -> token ids -------------------------------------------------
     @abstractmethod

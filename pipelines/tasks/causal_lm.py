@@ -25,8 +25,8 @@ from pipelines.data.synthetic import generate_instructions
 from pipelines.data.tokenization import TokenizedSplit, train_causal_word_tokenizer
 from pipelines.errors import UserError
 from pipelines.params import DataParams, ModelParams, Params
-from pipelines.tasks.base import Encoded, EvaluationResult, Task
-from pipelines.train.device import ResolvedPrecision
+from pipelines.runtime import ResolvedPrecision
+from pipelines.tasks.base import Encoded, EvaluationResult, QualityMetric, Task
 
 
 def source_columns(data: DataParams) -> dict[str, str]:
@@ -158,6 +158,26 @@ class CausalLmTask(Task):
 
     name = "causal_lm"
     peft_task_type = "CAUSAL_LM"
+    objective = ("val_loss", "min")
+    quality = (
+        QualityMetric("Exact match", "test_exact_match", scale=100, binomial=True, interval=True),
+        QualityMetric("Token accuracy", "test_token_accuracy", scale=100),
+        QualityMetric("Perplexity", "test_perplexity"),
+    )
+    input_column = "prompt"
+
+    def predict_texts(
+        self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, params: Params, labels: list[str] | None,
+        texts: list[str],
+    ) -> list[str]:  # fmt: skip
+        from pipelines.tasks.generation import generate_texts
+
+        return generate_texts(model, tokenizer, params, texts, continuation=True)
+
+    def example_texts(self, tokenizer: PreTrainedTokenizerBase, split: TokenizedSplit, count: int = 3) -> list[str]:
+        assert split.prompt_lengths is not None  # what the model is given: the prompts only
+        return [tokenizer.decode(split.input_ids[split.offsets[i] : split.offsets[i] + split.prompt_lengths[i]],
+                                 skip_special_tokens=True) for i in range(min(count, len(split)))]  # fmt: skip
 
     def generate(self, data: DataParams) -> pd.DataFrame:
         return generate_instructions(data.generator)
@@ -290,7 +310,7 @@ class CausalLmTask(Task):
     ) -> dict[str, float]:
         from pipelines.tasks.generation import teacher_forced
 
-        loss, accuracy = teacher_forced(model, split, params, pad_id, device, precision)
+        loss, accuracy = teacher_forced(model, split, params, pad_id, device, precision, self, next_token_loss)
         return {"val_loss": loss, "val_token_accuracy": accuracy}
 
     def evaluate(
@@ -305,4 +325,4 @@ class CausalLmTask(Task):
     ) -> EvaluationResult:
         from pipelines.tasks.generation import score_generation
 
-        return score_generation(model, tokenizer, split, params, device, precision)
+        return score_generation(model, tokenizer, split, params, device, precision, self, next_token_loss)

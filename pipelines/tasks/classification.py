@@ -13,7 +13,7 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from pipelines.data.batching import PadCollator
-from pipelines.data.sources import normalize_table
+from pipelines.data.sources import DataError, check_columns
 from pipelines.data.synthetic import generate_corpus
 from pipelines.data.tokenization import (
     LABELS_FILE,
@@ -25,9 +25,28 @@ from pipelines.data.tokenization import (
     train_word_tokenizer,
 )
 from pipelines.params import DataParams, ModelParams, Params
-from pipelines.tasks.base import Encoded, EvaluationResult, Task
-from pipelines.train import steps
-from pipelines.train.device import ResolvedPrecision
+from pipelines.runtime import ResolvedPrecision
+from pipelines.tasks import classification_scoring as scoring
+from pipelines.tasks.base import Encoded, EvaluationResult, QualityMetric, Task
+
+
+def _text_columns(data: DataParams) -> list[str]:
+    return [data.text_column] if isinstance(data.text_column, str) else list(data.text_column)
+
+
+def normalize_table(table: pd.DataFrame, data: DataParams, where: str) -> pd.DataFrame:
+    """Check the columns and rows of one classification split; return columns `texts` (tuples) and `label` (str)."""
+    check_columns(table, _text_columns(data) + [data.label_column], where)
+    texts = table[_text_columns(data)].astype(str)
+    empty = (texts.apply(lambda col: col.str.strip() == "")).all(axis=1)
+    if empty.any():
+        row = int(empty.to_numpy().nonzero()[0][0])
+        raise DataError(f"{where}: row {row} has an empty text in {_text_columns(data)}; drop or fill such rows")
+    labels = table[data.label_column]
+    if labels.isna().any() or (labels.astype(str).str.strip() == "").any():
+        row = int((labels.isna() | (labels.astype(str).str.strip() == "")).to_numpy().nonzero()[0][0])
+        raise DataError(f"{where}: row {row} has no label in column {data.label_column!r}")
+    return pd.DataFrame({"texts": list(texts.itertuples(index=False, name=None)), "label": labels.astype(str)})
 
 
 class ClassificationTask(Task):
@@ -35,6 +54,25 @@ class ClassificationTask(Task):
 
     name = "classification"
     peft_task_type = "SEQ_CLS"
+    objective = ("val_accuracy", "max")
+    quality = (
+        QualityMetric("Accuracy", "test_accuracy", scale=100, binomial=True, interval=True),
+        QualityMetric("Macro-F1", "test_macro_f1", scale=100, interval=True),
+    )
+    input_column = "text"
+
+    @torch.inference_mode()
+    def predict_texts(
+        self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, params: Params, labels: list[str] | None,
+        texts: list[str],
+    ) -> list[str]:  # fmt: skip
+        answers: list[str] = []
+        for start in range(0, len(texts), 32):
+            encoded = tokenizer(texts[start : start + 32], truncation=True, max_length=params.data.max_length,
+                                padding=True, return_tensors="pt")  # fmt: skip
+            ids = model(**encoded).logits.argmax(-1).tolist()
+            answers += [labels[i] if labels else str(i) for i in ids]
+        return answers
 
     def generate(self, data: DataParams) -> pd.DataFrame:
         return generate_corpus(data.generator)
@@ -91,8 +129,8 @@ class ClassificationTask(Task):
         return np.ones(len(split), dtype=np.int64)
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        # Looked up on the module at call time: tests substitute steps.forward_logits for wrapped models.
-        logits = steps.forward_logits(model, batch)
+        # Looked up on the module at call time: tests substitute scoring.forward_logits for wrapped models.
+        logits = scoring.forward_logits(model, batch)
         # Cross-entropy in fp32 even under autocast: a bf16 log-softmax loses the small differences.
         total = F.cross_entropy(logits.float(), batch["labels"], reduction="sum")
         return total, torch.tensor(len(batch["labels"]), device=total.device)
@@ -109,9 +147,7 @@ class ClassificationTask(Task):
         device: torch.device,
         precision: ResolvedPrecision,
     ) -> dict[str, float]:
-        from pipelines.train.validation import predict_logits
-
-        logits, loss = predict_logits(model, split, params, pad_id, device, precision)
+        logits, loss = scoring.predict_logits(model, split, params, pad_id, device, precision, self)
         return {"val_loss": loss, "val_accuracy": float((logits.argmax(1) == split.labels).mean())}
 
     def evaluate(
@@ -124,14 +160,12 @@ class ClassificationTask(Task):
         device: torch.device,
         precision: ResolvedPrecision,
     ) -> EvaluationResult:
-        from pipelines.evaluation import confusion_rows, evaluate_model, per_class_rows
-
         names = load_label_names(meta_dir)
-        result = evaluate_model(
-            model, split, names, params, pad_id=tokenizer.pad_token_id, device=device, precision=precision
+        result = scoring.evaluate_model(
+            model, split, names, params, pad_id=tokenizer.pad_token_id, device=device, precision=precision, task=self
         )
         plots = {
-            "confusion": confusion_rows(result.confusion, names),
-            "per_class": per_class_rows(result.metrics, names),
+            "confusion": scoring.confusion_rows(result.confusion, names),
+            "per_class": scoring.per_class_rows(result.metrics, names),
         }
         return EvaluationResult(result.metrics, result.predictions, plots)

@@ -18,12 +18,12 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from pipelines.data.loader import eval_batch_rows, eval_batches
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.noise import wilson_interval
 from pipelines.params import Params
-from pipelines.tasks.base import EvaluationResult
-from pipelines.train.device import ResolvedPrecision, autocast_context
-from pipelines.train.validation import eval_batch_rows, eval_batches
+from pipelines.runtime import ResolvedPrecision, autocast_context
+from pipelines.tasks.base import EvaluationResult, Task
 
 # (model, batch) -> (summed fp32 loss over target tokens, their count, how many the argmax got right)
 TokenLoss = Callable[[nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -37,17 +37,15 @@ def teacher_forced(
     pad_id: int,
     device: torch.device,
     precision: ResolvedPrecision,
-    token_loss: TokenLoss | None = None,
+    task: Task,
+    token_loss: TokenLoss,
 ) -> tuple[float, float]:
-    """(mean loss over the split's target tokens, share of them the argmax predicts); default: next-token loss."""
-    from pipelines.tasks.causal_lm import next_token_loss
-
-    token_loss = token_loss or next_token_loss
+    """(mean loss over the split's target tokens, share of them the argmax predicts), in `task`'s batches."""
     total = torch.zeros((), device=device, dtype=torch.float64)
     count = correct = torch.zeros((), device=device, dtype=torch.long)
     was_training = model.training
     model.eval()
-    for batch in eval_batches(model, split, params, pad_id, device):
+    for batch in eval_batches(model, split, params, pad_id, device, task):
         with autocast_context(precision, device):
             loss, n, right = token_loss(model, batch)
         total, count, correct = total + loss.double(), count + n, correct + right
@@ -118,11 +116,14 @@ def score_generation(
     params: Params,
     device: torch.device,
     precision: ResolvedPrecision,
+    task: Task,
+    token_loss: TokenLoss,
 ) -> EvaluationResult:
     """Loss, perplexity and token accuracy (teacher-forced), and exact match of greedy answers with its interval."""
     model.to(device)
     start = time.perf_counter()
-    loss, token_accuracy = teacher_forced(model, split, params, tokenizer.pad_token_id, device, precision)
+    pad_id = tokenizer.pad_token_id
+    loss, token_accuracy = teacher_forced(model, split, params, pad_id, device, precision, task, token_loss)
     pairs = [_row_tokens(split, row) for row in range(len(split))]
     generated = generate_answers(model, tokenizer, [prompt for prompt, _ in pairs], params, device, precision)
     references = [answer_text(tokenizer, response) for _, response in pairs]
@@ -148,3 +149,22 @@ def score_generation(
         }
     )
     return EvaluationResult(metrics, predictions)
+
+
+@torch.inference_mode()
+def generate_texts(
+    model: nn.Module, tokenizer: PreTrainedTokenizerBase, params: Params, texts: list[str], *, continuation: bool
+) -> list[str]:
+    """Greedy generations for raw texts, 32 at a time, on the CPU; `continuation`: a decoder's (prompt cut off)."""
+    answers: list[str] = []
+    for start in range(0, len(texts), 32):
+        chunk = texts[start : start + 32]
+        if continuation:
+            tokenizer.padding_side = "left"  # a decoder continues the prompt's last token
+        encoded = tokenizer(chunk, truncation=True, max_length=params.data.max_length, padding=True,
+                            return_tensors="pt")  # fmt: skip
+        out = model.generate(**encoded, max_new_tokens=params.eval.max_new_tokens, do_sample=False)
+        if continuation:
+            out = out[:, encoded["input_ids"].shape[1] :]
+        answers += tokenizer.batch_decode(out, skip_special_tokens=True)
+    return [a.strip() for a in answers]

@@ -28,14 +28,15 @@ from transformers import (
 )
 
 from pipelines.data.batching import PadCollator, padded_length
+from pipelines.data.loader import eval_batches, to_device
 from pipelines.data.sources import DataError, check_columns
 from pipelines.data.synthetic import generate_translations
 from pipelines.data.tokenization import TokenizedSplit, train_causal_word_tokenizer
 from pipelines.noise import wilson_interval
 from pipelines.params import DataParams, ModelParams, Params
-from pipelines.tasks.base import Encoded, EvaluationResult, Task
+from pipelines.runtime import ResolvedPrecision, autocast_context
+from pipelines.tasks.base import Encoded, EvaluationResult, QualityMetric, Task
 from pipelines.tasks.causal_lm import IGNORE
-from pipelines.train.device import ResolvedPrecision, autocast_context
 
 SOURCE, TARGET = "source", "target"
 
@@ -104,6 +105,22 @@ class Seq2SeqTask(Task):
 
     name = "seq2seq"
     peft_task_type = "SEQ_2_SEQ_LM"
+    objective = ("val_loss", "min")
+    quality = (
+        QualityMetric("BLEU", "test_bleu"),
+        QualityMetric("chrF", "test_chrf"),
+        QualityMetric("Exact match", "test_exact_match", scale=100, binomial=True, interval=True),
+        QualityMetric("Perplexity", "test_perplexity"),
+    )
+    input_column = "source"
+
+    def predict_texts(
+        self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, params: Params, labels: list[str] | None,
+        texts: list[str],
+    ) -> list[str]:  # fmt: skip
+        from pipelines.tasks.generation import generate_texts
+
+        return generate_texts(model, tokenizer, params, texts, continuation=False)
 
     def generate(self, data: DataParams) -> pd.DataFrame:
         return generate_translations(data.generator)
@@ -206,7 +223,7 @@ class Seq2SeqTask(Task):
     ) -> dict[str, float]:
         from pipelines.tasks.generation import teacher_forced
 
-        loss, accuracy = teacher_forced(model, split, params, pad_id, device, precision, target_token_loss)
+        loss, accuracy = teacher_forced(model, split, params, pad_id, device, precision, self, target_token_loss)
         return {"val_loss": loss, "val_token_accuracy": accuracy}
 
     def evaluate(
@@ -219,7 +236,7 @@ class Seq2SeqTask(Task):
         device: torch.device,
         precision: ResolvedPrecision,
     ) -> EvaluationResult:
-        return score_translation(model, tokenizer, split, params, device, precision)
+        return score_translation(model, tokenizer, split, params, device, precision, self)
 
 
 @torch.inference_mode()
@@ -230,16 +247,15 @@ def translate(
     params: Params,
     device: torch.device,
     precision: ResolvedPrecision,
+    task: Task,
 ) -> list[str]:
     """Generated targets for every row, in row order: sources sorted by length, batched, beam size eval.num_beams."""
     from pipelines.tasks.generation import answer_text
-    from pipelines.train.steps import to_device
-    from pipelines.train.validation import eval_batches
 
     was_training = model.training
     model.eval()
     answers = [""] * len(split)
-    for batch in eval_batches(model, split, params, tokenizer.pad_token_id, device):
+    for batch in eval_batches(model, split, params, tokenizer.pad_token_id, device, task):
         with autocast_context(precision, device):
             out = model.generate(
                 **to_device({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}, device),
@@ -277,14 +293,17 @@ def score_translation(
     params: Params,
     device: torch.device,
     precision: ResolvedPrecision,
+    task: Task,
 ) -> EvaluationResult:
     """Loss, perplexity and token accuracy (teacher-forced); BLEU, chrF (sacrebleu) and exact match of generations."""
     from pipelines.tasks.generation import answer_text, teacher_forced
 
     model.to(device)
     start = time.perf_counter()
-    loss, accuracy = teacher_forced(model, split, params, tokenizer.pad_token_id, device, precision, target_token_loss)
-    generated = translate(model, tokenizer, split, params, device, precision)
+    loss, accuracy = teacher_forced(
+        model, split, params, tokenizer.pad_token_id, device, precision, task, target_token_loss
+    )
+    generated = translate(model, tokenizer, split, params, device, precision, task)
     assert split.prompt_lengths is not None
     rows = [np.asarray(split.input_ids[o : o + n]) for o, n in zip(split.offsets, split.lengths, strict=True)]
     sources = [

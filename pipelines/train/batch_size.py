@@ -20,8 +20,8 @@ from torch import nn
 
 from pipelines.errors import UserError
 from pipelines.params import Params, apply_overrides
+from pipelines.runtime import ResolvedPrecision
 from pipelines.tasks import get_task
-from pipelines.train.device import ResolvedPrecision
 from pipelines.train.memory import SavedActivationMeter, parameter_bytes, restored_after, tensor_bytes
 from pipelines.train.optim import build_optimizer
 from pipelines.train.steps import backward_micro_batch, make_scaler, optimizer_step

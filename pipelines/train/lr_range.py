@@ -29,14 +29,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from pipelines.data.loader import make_loader
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.params import LrRangeTestParams, Params, apply_overrides
+from pipelines.runtime import ResolvedPrecision, resolve_pad_multiple
 from pipelines.tasks.base import Task
-from pipelines.train.device import ResolvedPrecision, resolve_pad_multiple
 from pipelines.train.optim import build_optimizer
 from pipelines.train.steps import (
     accumulate_window,
-    make_loader,
     make_scaler,
     optimizer_step,
     plan_windows,

@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from pipelines.params import Params
-from pipelines.train.device import ResolvedPrecision
+from pipelines.runtime import ResolvedPrecision
 
 
 def uses_fsdp(params: Params, world_size: int) -> bool:

@@ -28,12 +28,12 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
 
-from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator
+from pipelines.data.batching import LengthGroupedBatchSampler
+from pipelines.data.loader import to_device
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.params import Params
-from pipelines.train.device import ResolvedPrecision, autocast_context
+from pipelines.runtime import ResolvedPrecision, autocast_context
 
 if TYPE_CHECKING:
     from pipelines.tasks.base import Task
@@ -68,48 +68,6 @@ def training_sampler(
         num_replicas=num_replicas,
         rank=rank,
     )
-
-
-def make_loader(
-    split: TokenizedSplit,
-    batches: list[list[int]],
-    params: Params,
-    pad_id: int,
-    device: torch.device,
-    pad_to_multiple_of: int | None,
-    task: Task | None = None,
-) -> DataLoader:
-    """A DataLoader over precomputed batches of the task's rows; pads dynamically, or to max_length unbucketed."""
-    collator: PadCollator = task_of(params, task).collator(
-        split,
-        pad_id,
-        fixed_length=None if params.data.bucketing else params.data.max_length,
-        pad_to_multiple_of=pad_to_multiple_of,
-        params=params,
-    )
-    workers = params.num_workers
-    return DataLoader(
-        collator,
-        batch_sampler=batches,
-        collate_fn=collator,
-        num_workers=workers,
-        pin_memory=params.pin_memory and device.type == "cuda",
-        persistent_workers=params.persistent_workers and workers > 0,
-        prefetch_factor=params.prefetch_factor if workers else None,
-        # Its own generator: iterating a DataLoader draws a seed, which would otherwise come from
-        # torch's global RNG and shift every later dropout mask (breaking exact resume).
-        generator=torch.Generator().manual_seed(params.seed),
-    )
-
-
-def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    # non_blocking overlaps the copy with compute when the host batch is pinned.
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
-def forward_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Logits of a batch already on the model's device."""
-    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
 
 def backward_micro_batch(

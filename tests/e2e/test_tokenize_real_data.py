@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.common import AG_NEWS, ag_news_overrides, ag_news_params, minilm_path
-from pipelines.data.prepare import prepare_dataset
+from pipelines.prepare import prepare_dataset
 from tests.conftest import run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -15,10 +15,12 @@ import pytest
 import torch
 from transformers import BertConfig, BertForSequenceClassification
 
+from pipelines.data.loader import make_loader, to_device
 from pipelines.data.tokenization import TokenizedSplit
+from pipelines.tasks import get_task
 from pipelines.train import batch_size as auto
 from pipelines.train.engine import train_model
-from pipelines.train.steps import make_loader, make_scaler, optimizer_step, to_device
+from pipelines.train.steps import make_scaler, optimizer_step
 from tests.conftest import tiny_params
 from tests.pipelines.train.helpers import tiny_split
 
@@ -133,7 +135,7 @@ def test_a_real_out_of_memory_halves_micro_batches_keeps_the_effective_batch_and
 def test_batches_are_pinned_and_copied_without_blocking(default_params):
     params = cuda_params(default_params, pin_memory=True)
     split = tiny_split(rows=64, seed=1)
-    loader = make_loader(split, [list(range(16))], params, 0, CUDA, 8)
+    loader = make_loader(split, [list(range(16))], params, 0, CUDA, 8, get_task("classification"))
     assert loader.pin_memory
     host = next(iter(loader))
     assert all(t.is_pinned() for t in host.values())

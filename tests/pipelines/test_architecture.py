@@ -16,19 +16,64 @@ def section(name: str) -> list[str]:
     return [line.strip() for line in body.strip().splitlines() if line.strip()]
 
 
-def test_the_page_lists_the_import_circles_the_code_has():
-    computed = ["- " + ", ".join(f"`{m}`" for m in circle) for circle in sorted(cycles())]
-    assert sorted(section("import-circles")) == sorted(computed)
+def test_no_import_circles_and_tasks_never_import_the_engine():
+    assert cycles() == [], "import circles (see docs/explanation/architecture.md, Layering)"
+    upward = {m: sorted(i for i in imports_of(m) if i.startswith("pipelines.train")) for m in all_modules()}
+    assert {m: i for m, i in upward.items() if m.startswith("pipelines.tasks") and i} == {}
 
 
-def test_the_page_lists_every_task_module_that_imports_the_engine():
-    computed = []
+def test_every_import_points_down_the_layers_the_page_declares():
+    layers = declared_layers()
     for module in all_modules():
-        if module.startswith("pipelines.tasks"):
-            engine = sorted(m for m in imports_of(module) if m.startswith("pipelines.train"))
-            if engine:
-                computed.append(f"- `{module}` -> " + ", ".join(f"`{m}`" for m in engine))
-    assert sorted(section("tasks-on-train")) == sorted(computed)
+        if not module.startswith("pipelines."):
+            continue
+        for imported in imports_of(module):
+            assert layers[layer_key(imported)] <= layers[layer_key(module)], (
+                f"{module} (layer {layers[layer_key(module)]}) imports {imported} "
+                f"(layer {layers[layer_key(imported)]}): against the layering in docs/explanation/architecture.md"
+            )
+
+
+def test_only_trials_import_ray_and_only_tracking_imports_mlflow():
+    for module in all_modules():
+        found = external_imports(module)
+        if "ray" in found:
+            assert module.startswith("pipelines.trials"), module
+        if "mlflow" in found:
+            assert module.startswith(("pipelines.tracking", "stages")), module
+
+
+def external_imports(module: str) -> set[str]:
+    """Top-level packages a module imports at run time (imports for type hints only excluded)."""
+    from tests.import_graph import _runtime_nodes
+
+    names: set[str] = set()
+    for node in _runtime_nodes(parsed(module)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def declared_layers() -> dict[str, int]:
+    """The page's layer table: `- <n>: <module or package>, ...` lines between the layers markers."""
+    layers: dict[str, int] = {}
+    for line in section("layers"):
+        number, _, names = line.removeprefix("- ").partition(":")
+        for name in names.split(","):
+            layers[name.strip().strip("`")] = int(number)
+    return layers
+
+
+def layer_key(module: str) -> str:
+    """The layer table's entry for a module: itself, else its nearest package listed."""
+    layers = declared_layers()
+    parts = module.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in layers:
+            return ".".join(parts[:i])
+    raise AssertionError(f"{module} is in no layer of docs/explanation/architecture.md")
 
 
 def test_the_page_names_every_module_of_the_package():
@@ -49,15 +94,7 @@ def test_no_module_is_over_400_lines_and_no_function_over_80():
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > 80:
                 long_functions.append(f"{module}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert long_modules == []
-    assert sorted(long_functions) == sorted(KNOWN_LONG_FUNCTIONS), "a function grew past 80 lines, or one shrank"
-
-
-# Functions still over 80 lines, to be split (issue 24); the list may only shrink.
-KNOWN_LONG_FUNCTIONS = [
-    "pipelines.train.engine._train: 190 lines",
-    "pipelines.trial.train_and_save: 146 lines",
-    "pipelines.tuning.run_tuning: 87 lines",
-]
+    assert long_functions == []
 
 
 def test_readme_is_a_newcomer_size_and_links_only_pages_that_exist():

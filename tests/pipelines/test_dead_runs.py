@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.params import load_params
-from pipelines.tracking import open_experiment, start_run
+from pipelines.tracking.runs import open_experiment, start_run
 from tests.conftest import REPO_ROOT, git_env
 
 

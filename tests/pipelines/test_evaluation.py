@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipelines.evaluation import confusion_rows, evaluate_model, score
+from pipelines.tasks import get_task
+from pipelines.tasks.classification_scoring import confusion_rows, evaluate_model, score
 from tests.pipelines.train.helpers import tiny_model, tiny_split
 
 
@@ -13,7 +14,14 @@ def test_each_prediction_matches_a_single_row_forward_pass(default_params):
     split = tiny_split(rows=70, max_len=60, seed=9)  # lengths shuffled: bucketing reorders rows
     model = tiny_model(seed=3).eval()
     result = evaluate_model(
-        model, split, ["a", "b", "c"], default_params, pad_id=0, device=torch.device("cpu"), precision="fp32"
+        model,
+        split,
+        ["a", "b", "c"],
+        default_params,
+        pad_id=0,
+        device=torch.device("cpu"),
+        precision="fp32",
+        task=get_task("classification"),
     )
     offsets = split.offsets
     with torch.inference_mode():

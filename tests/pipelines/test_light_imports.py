@@ -13,7 +13,7 @@ LIGHT_MODULES = [
     "pipelines.train.engine",
     "pipelines.train.optim",
     "pipelines.train.memory",
-    "pipelines.train.device",
+    "pipelines.runtime",
     "pipelines.train.checkpoint",
     "pipelines.train.batch_size",
     "pipelines.train.flops",

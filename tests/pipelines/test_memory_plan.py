@@ -78,8 +78,8 @@ def test_a_packed_causal_lm_is_planned_on_its_packs(default_params):
 
 
 def test_every_variant_is_planned_from_the_tokenized_split(default_params, tmp_path):
-    from pipelines.data.prepare import prepare_dataset
     from pipelines.memory_plan import plan_table, plan_variants
+    from pipelines.prepare import prepare_dataset
 
     variants = {"vanilla": {}, "adafactor": {"optim": "adafactor"}, "checkpointing": {"grad_checkpointing": True}}
     params = tiny_params(default_params, **{"data.generator.num_rows": 600, "tune.variants": variants})

@@ -199,7 +199,7 @@ def test_training_only_data_keys_may_vary_per_variant():
 def test_tf32_and_padding_resolve_per_device(default_params):
     import torch
 
-    from pipelines.train.device import resolve_pad_multiple, resolve_tf32
+    from pipelines.runtime import resolve_pad_multiple, resolve_tf32
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert default_params.tf32 == "auto" and default_params.data.pad_to_multiple_of == "auto"
@@ -242,7 +242,7 @@ def test_task_and_remote_code_cannot_vary_per_trial(default_params):
 
 
 def test_auto_objective_follows_the_task(default_params):
-    from pipelines.params import tune_objective
+    from pipelines.tasks import tune_objective
 
     assert tune_objective(default_params) == ("val_accuracy", "max")
     assert tune_objective(tiny_params(default_params, task="causal_lm")) == ("val_loss", "min")
@@ -258,7 +258,7 @@ def test_auto_objective_follows_the_task(default_params):
 
 def test_qlora_is_refused_without_cuda_with_a_clear_message(default_params):
     from pipelines.errors import UserError
-    from pipelines.train.device import check_runtime
+    from pipelines.runtime import check_runtime
 
     with pytest.raises(ParamsError, match="adapter.type = 'qlora' needs CUDA.*use adapter.type: lora"):
         tiny_params(default_params, device="cpu", **{"adapter.type": "qlora"})

@@ -13,7 +13,7 @@ from tests.pipelines.train.helpers import tiny_model, tiny_split
 def test_epoch_lines_show_steps_loss_metrics_rate_and_time_left():
     now = [0.0]
     lines: list[str] = []
-    progress = TrialProgress(epochs=2, say=lines.append, bar=False, clock=lambda: now[0])
+    progress = TrialProgress(epochs=2, say=lines.append, make_bar=None, clock=lambda: now[0])
     for step, rows in ((5, 0.0), (10, 160.0)):
         now[0] = step * 0.5
         progress.on_log(step, {"loss": 0.9, "lr": 1e-3, "total_steps": 20.0, "rows_timed": rows})

@@ -9,7 +9,7 @@ import matplotlib.image as mpimg
 from pipelines.comparison import DELTA_HEADER
 from pipelines.params import TrackingParams
 from pipelines.report import COLUMNS, build_report, comparison_table, format_metric, format_relative, load_rows
-from pipelines.tracking import RunLogger, open_experiment, start_run
+from pipelines.tracking.runs import RunLogger, open_experiment, start_run
 
 RUNS = {
     "fast": {"train_time_s": 30.0, "peak_train_memory_bytes": 3e8, "test_accuracy": 0.81},

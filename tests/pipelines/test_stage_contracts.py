@@ -78,7 +78,7 @@ def params_read(modules: set[str]) -> set[str]:
 
 
 # Read in code the train stage imports but never runs for training.
-NOT_READ_BY_TRAIN = {"eval.model_uri": "pipelines/mlflow_model.py: the evaluate stage's model download"}
+NOT_READ_BY_TRAIN = {"eval.model_uri": "pipelines/tracking/mlflow_model.py: the evaluate stage's model download"}
 
 
 def test_the_train_stage_lists_every_param_its_code_reads():

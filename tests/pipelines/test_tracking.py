@@ -8,7 +8,7 @@ import pytest
 
 from pipelines.errors import UserError
 from pipelines.params import TrackingParams, resolve_repo_root
-from pipelines.tracking import RunLogger, open_experiment, resolve_tracking_uri, start_run
+from pipelines.tracking.runs import RunLogger, open_experiment, resolve_tracking_uri, start_run
 
 
 def test_relative_stores_become_absolute(tmp_path: Path):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipelines.tuning import local_ray_cpus, trial_resources, worker_threads
+from pipelines.trials.tuning import local_ray_cpus, trial_resources, worker_threads
 from tests.conftest import tiny_params
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipelines.data.prepare import prepare_dataset
 from pipelines.data.tokenization import TokenizedSplit, load_label_names
+from pipelines.prepare import prepare_dataset
 from tests.conftest import tiny_params
 
 

@@ -9,7 +9,10 @@ import pytest
 
 from pipelines.data.sources import DataError, load_splits
 from pipelines.data.synthetic import generate_corpus
+from pipelines.tasks import get_task
 from tests.conftest import tiny_params
+
+CLASSIFICATION = get_task("classification")
 
 
 def write_csv(path: Path, rows: int = 60, labels=("a", "b", "c")) -> Path:
@@ -34,10 +37,10 @@ def test_generator_is_deterministic_and_not_trivial(default_params):
 
 def test_single_file_is_split_stratified_and_deterministic(tmp_path, default_params):
     params = tiny_params(default_params, **{"data.source": str(write_csv(tmp_path / "d.csv", 300))})
-    splits = load_splits(params.data, params.seed, tmp_path)
+    splits = load_splits(params.data, params.seed, tmp_path, CLASSIFICATION)
     assert [len(splits[s]) for s in ("train", "validation", "test")] == [210, 30, 60]
     assert splits["test"]["label"].value_counts().nunique() == 1  # stratified: 20 of each
-    again = load_splits(params.data, params.seed, tmp_path)
+    again = load_splits(params.data, params.seed, tmp_path, CLASSIFICATION)
     pd.testing.assert_frame_equal(splits["test"], again["test"])
 
 
@@ -53,7 +56,7 @@ def test_folder_with_given_splits_and_formats(tmp_path, default_params, suffix):
         }[suffix](path)
     (tmp_path / "x.csv").unlink()
     params = tiny_params(default_params, **{"data.source": str(tmp_path)})
-    splits = load_splits(params.data, params.seed, tmp_path)
+    splits = load_splits(params.data, params.seed, tmp_path, CLASSIFICATION)
     assert all(len(splits[s]) == 30 for s in splits)
 
 
@@ -64,7 +67,7 @@ def test_several_text_columns_are_kept_per_row(tmp_path, default_params):
     params = tiny_params(
         default_params, **{"data.source": "d.csv", "data.text_column": ["title", "body"], "data.label_column": "y"}
     )
-    splits = load_splits(params.data, params.seed, tmp_path)
+    splits = load_splits(params.data, params.seed, tmp_path, CLASSIFICATION)
     assert set(splits["train"]["texts"]) == {("t1", "b1"), ("t2", "b2")}
     assert set(splits["train"]["label"]) == {"1", "2"}
 
@@ -72,7 +75,7 @@ def test_several_text_columns_are_kept_per_row(tmp_path, default_params):
 def expect_error(tmp_path, default_params, match: str, **overrides) -> None:
     params = tiny_params(default_params, **overrides)
     with pytest.raises(DataError, match=match):
-        load_splits(params.data, params.seed, tmp_path)
+        load_splits(params.data, params.seed, tmp_path, CLASSIFICATION)
 
 
 def test_missing_file(tmp_path, default_params):
@@ -138,7 +141,7 @@ def test_headerless_csv_with_named_columns(tmp_path, default_params):
             "data.label_column": "y",
         },
     )
-    splits = load_splits(params.data, params.seed, tmp_path)
+    splits = load_splits(params.data, params.seed, tmp_path, CLASSIFICATION)
     assert sum(len(s) for s in splits.values()) == 40  # no row lost to a header
     assert set(splits["train"]["label"]) == {"1", "2"}
 
@@ -146,7 +149,7 @@ def test_headerless_csv_with_named_columns(tmp_path, default_params):
 def test_folder_with_a_single_split_file_is_split_like_a_file(tmp_path, default_params):
     write_csv(tmp_path / "test.csv", 100)
     params = tiny_params(default_params, **{"data.source": str(tmp_path)})
-    splits = load_splits(params.data, params.seed, tmp_path)
+    splits = load_splits(params.data, params.seed, tmp_path, CLASSIFICATION)
     assert [len(splits[s]) for s in ("train", "validation", "test")] == [70, 10, 20]
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pipelines.params import ParamsError
+from pipelines.tasks import classification_scoring as scoring
 from pipelines.train import batch_size as auto
 from tests.conftest import tiny_params
 from tests.pipelines.train.helpers import tiny_model
@@ -67,7 +68,7 @@ def test_incompatible_combinations_name_both_keys(default_params, overrides, mes
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
 def test_cuda_only_choices_fail_before_training_without_cuda(default_params):
     from pipelines.errors import UserError
-    from pipelines.train.device import check_runtime
+    from pipelines.runtime import check_runtime
 
     for overrides, message in (
         ({"device": "cuda"}, "no CUDA device is visible"),
@@ -116,7 +117,7 @@ def test_the_cuda_probe_runs_full_steps_beside_the_optimizer_state_and_puts_the_
         return built[-1]
 
     monkeypatch.setattr(auto, "build_optimizer", build_and_watch)
-    monkeypatch.setattr("pipelines.train.steps.forward_logits", lambda m, batch: m(batch["input_ids"]).logits)
+    monkeypatch.setattr(scoring, "forward_logits", lambda m, batch: m(batch["input_ids"]).logits)
     model.state_present = lambda: bool(built and built[0].state)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with auto.restored_after(model):

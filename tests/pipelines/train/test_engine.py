@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator
+from pipelines.tasks import classification_scoring as scoring
 from pipelines.train.engine import train_model
 from pipelines.train.memory import SavedActivationMeter, optimizer_state_bytes, parameter_bytes
 from pipelines.train.optim import build_optimizer
@@ -256,7 +257,8 @@ def test_out_of_memory_halves_micro_batches_and_keeps_the_effective_batch(defaul
     torch.manual_seed(0)
     wrapped = OutOfMemoryAbove(tiny_model(), limit=8)
     monkeypatch.setattr(
-        "pipelines.train.steps.forward_logits",
+        scoring,
+        "forward_logits",
         lambda model, batch: model(batch["input_ids"], batch["attention_mask"]).logits,
     )
     messages: list[str] = []
@@ -283,13 +285,15 @@ class NaNAfter(torch.nn.Module):
 
 
 def test_nonfinite_loss_stops_the_run_with_a_clear_reason(default_params, monkeypatch):
-    from pipelines.train.engine import NonFiniteLoss
+    from pipelines.train.trainer import NonFiniteLoss
 
     params = tiny_params(
         default_params, **{"epochs": 2, "batch_size": 16, "log_every_n_steps": 1, "max_nonfinite_steps": 3}
     )
     monkeypatch.setattr(
-        "pipelines.train.steps.forward_logits", lambda model, batch: model(batch["input_ids"], batch["attention_mask"])
+        scoring,
+        "forward_logits",
+        lambda model, batch: model(batch["input_ids"], batch["attention_mask"]),
     )
     logged = []
     with pytest.raises(NonFiniteLoss, match="not finite for 3 optimizer steps in a row .* up to step 7"):

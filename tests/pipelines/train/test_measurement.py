@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator
+from pipelines.tasks import classification_scoring as scoring
 from pipelines.train.engine import train_model
 from pipelines.train.memory import SavedActivationMeter, peak_rss_bytes, reset_peak_rss
 from pipelines.train.steps import backward_micro_batch
@@ -42,10 +43,10 @@ SLOW_S = 0.4
 
 
 def test_validation_checkpoints_and_warmup_are_timed_outside_train_time(default_params, monkeypatch, tmp_path):
-    import pipelines.train.engine as engine
+    import pipelines.train.trainer as trainer
 
     plain = run(default_params, checkpoint_dir=tmp_path / "plain").metrics
-    real_eval, real_save = engine.evaluate_split, engine.save_checkpoint
+    real_eval, real_save = trainer.evaluate_split, trainer.save_checkpoint
 
     def slow_eval(*args, **kwargs):
         time.sleep(SLOW_S)
@@ -55,8 +56,8 @@ def test_validation_checkpoints_and_warmup_are_timed_outside_train_time(default_
         time.sleep(SLOW_S)
         return real_save(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "evaluate_split", slow_eval)
-    monkeypatch.setattr(engine, "save_checkpoint", slow_save)
+    monkeypatch.setattr(trainer, "evaluate_split", slow_eval)
+    monkeypatch.setattr(trainer, "save_checkpoint", slow_save)
     slow = run(default_params, checkpoint_dir=tmp_path / "slow", checkpoint_every_n_steps=5).metrics
     assert slow["val_time_s"] >= 2 * SLOW_S  # two epochs, one validation each
     assert slow["checkpoint_time_s"] >= 6 * SLOW_S  # steps 5, 10, 15, 20 and two epoch ends
@@ -68,9 +69,9 @@ def test_validation_checkpoints_and_warmup_are_timed_outside_train_time(default_
 
 
 def test_the_first_step_is_the_warmup_and_not_in_train_time(default_params, monkeypatch):
-    import pipelines.train.engine as engine
+    import pipelines.train.trainer as trainer
 
-    real_step = engine.optimizer_step
+    real_step = trainer.optimizer_step
     calls = []
 
     def slow_first_real_step(*args, **kwargs):
@@ -79,7 +80,7 @@ def test_the_first_step_is_the_warmup_and_not_in_train_time(default_params, monk
             time.sleep(1.0)
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "optimizer_step", slow_first_real_step)
+    monkeypatch.setattr(trainer, "optimizer_step", slow_first_real_step)
     m = run(default_params, validation=False).metrics
     assert m["warmup_time_s"] >= 1.0 and m["train_time_s"] < 1.0, m
 
@@ -163,7 +164,9 @@ class NaNOnCalls(torch.nn.Module):
 @pytest.mark.parametrize("optim", ["adamw", "adafactor"])
 def test_a_nonfinite_window_is_skipped_not_applied(default_params, monkeypatch, precision, optim):
     monkeypatch.setattr(
-        "pipelines.train.steps.forward_logits", lambda model, batch: model(batch["input_ids"], batch["attention_mask"])
+        scoring,
+        "forward_logits",
+        lambda model, batch: model(batch["input_ids"], batch["attention_mask"]),
     )
     inner = tiny_model()
     # Calls 1-2 are the memory probe; 3 is step 1. Steps 4 and 5 (calls 6, 7) see NaN logits.
@@ -202,10 +205,10 @@ def test_a_nonfinite_window_is_skipped_not_applied(default_params, monkeypatch, 
 
 @pytest.mark.parametrize("optim", ["adamw", "adafactor"])
 def test_the_memory_probe_leaves_training_exactly_as_without_it(default_params, monkeypatch, optim):
-    import pipelines.train.engine as engine
+    import pipelines.train.trainer as trainer
 
     probed = run(default_params, model=tiny_model(dropout=0.1), optim=optim).history
-    monkeypatch.setattr(engine, "_measure_memory", lambda *args, **kwargs: None)
+    monkeypatch.setattr(trainer, "_measure_memory", lambda *args, **kwargs: None)
     unprobed = run(default_params, model=tiny_model(dropout=0.1), optim=optim).history
     # Weights, optimizer state, scaler and RNG (dropout masks) are put back: the same losses, bit for bit.
     assert [h["loss"] for h in probed] == [h["loss"] for h in unprobed]

@@ -18,10 +18,9 @@ from pipelines.params import (
     SearchDim,
     UniformDim,
     ray_address,
-    tune_objective,
 )
-from pipelines.ray_cluster import init_ray
-from pipelines.tracking import (
+from pipelines.tasks import tune_objective
+from pipelines.tracking.runs import (
     close_dangling_children,
     git_commit,
     log_params,
@@ -30,7 +29,9 @@ from pipelines.tracking import (
     resolve_tracking_uri,
     start_run,
 )
-from pipelines.trial import FINAL_KEY, REPEAT_KEY, TrialContext, run_trial
+from pipelines.tracking.status import ended_run
+from pipelines.trials.ray_cluster import init_ray
+from pipelines.trials.trial import FINAL_KEY, REPEAT_KEY, TrialContext, run_trial
 
 BEST_DIR = "best"
 TRIALS_FILE = "trials.json"
@@ -160,7 +161,6 @@ def run_tuning(
     params: Params, root: Path, tokenized_dir: Path, out_dir: Path, tokenize_stats: dict[str, float]
 ) -> dict[str, Any]:
     """Run every trial; write the best model to `out_dir/best` and a trials summary; return the summary."""
-    from ray import tune
 
     tracking_uri = resolve_tracking_uri(params.tracking.uri, root)
     client, experiment_id = open_store(params.tracking, root)
@@ -196,37 +196,14 @@ def run_tuning(
     # MLflow is the tracker, so Tune writes only the result files its ResultGrid reads back (JSON, CSV), not
     # TensorBoard event files, whose logger also printed a TensorBoard hint on every run.
     os.environ["TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"] = "1"
-    status = "FAILED"
-    try:
-        init_ray(local_ray_cpus(params, cpus), ray_address(params))
-        from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
-        from ray.tune.search import BasicVariantGenerator
 
-        tuner = tune.Tuner(
-            tune.with_resources(tune.with_parameters(run_trial, context=context), resources),
-            param_space=param_space(params),
-            tune_config=tune.TuneConfig(
-                metric=objective[0],
-                mode=objective[1],
-                num_samples=tuner_num_samples(params),
-                scheduler=_scheduler(params),
-                # Seeded sampling: the same params draw the same trial configurations. The concurrency
-                # limit goes to the generator itself: Tune ignores max_concurrent_trials (and warns) when
-                # search_alg is a SearchGenerator such as this one.
-                search_alg=BasicVariantGenerator(
-                    random_state=params.seed, max_concurrent=params.tune.max_concurrent_trials
-                ),
-                time_budget_s=params.tune.time_budget_s,
-                # A fresh process per trial: a trial's peak RSS and allocator state are its own.
-                reuse_actors=False,
-            ),
-            run_config=tune.RunConfig(
-                name=f"train-{parent_run_id[:8]}",
-                storage_path=str((root / "ray_results").resolve()),
-                callbacks=[JsonLoggerCallback(), CSVLoggerCallback()],
-                verbose=tune_verbosity(params),
-            ),
-        )
+    def close(status: str) -> None:
+        close_dangling_children(client, experiment_id, parent_run_id)
+        client.set_terminated(parent_run_id, status=status)
+
+    with ended_run(close):
+        init_ray(local_ray_cpus(params, cpus), ray_address(params))
+        tuner = build_tuner(params, context, resources, objective, root)
         results = tuner.fit()
         summary = _summarize(results, params, parent_run_id, experiment_id, tracking_uri)
         best = summary["best"]
@@ -238,16 +215,48 @@ def run_tuning(
             client.set_tag(parent_run_id, "registered_model", summary["registered_model"]["uri"])
         (out_dir / TRIALS_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         client.log_artifact(parent_run_id, str(out_dir / TRIALS_FILE))
-        status = "FINISHED"
         return summary
-    finally:
-        close_dangling_children(client, experiment_id, parent_run_id)
-        client.set_terminated(parent_run_id, status=status)
+
+
+def build_tuner(
+    params: Params, context: TrialContext, resources: dict[str, float], objective: tuple[str, str], root: Path
+) -> Any:
+    """The Tuner of every trial: seeded sampling, its scheduler, a fresh process per trial, Tune's result files."""
+    from ray import tune
+    from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
+    from ray.tune.search import BasicVariantGenerator
+
+    tuner = tune.Tuner(
+        tune.with_resources(tune.with_parameters(run_trial, context=context), resources),
+        param_space=param_space(params),
+        tune_config=tune.TuneConfig(
+            metric=objective[0],
+            mode=objective[1],
+            num_samples=tuner_num_samples(params),
+            scheduler=_scheduler(params),
+            # Seeded sampling: the same params draw the same trial configurations. The concurrency
+            # limit goes to the generator itself: Tune ignores max_concurrent_trials (and warns) when
+            # search_alg is a SearchGenerator such as this one.
+            search_alg=BasicVariantGenerator(
+                random_state=params.seed, max_concurrent=params.tune.max_concurrent_trials
+            ),
+            time_budget_s=params.tune.time_budget_s,
+            # A fresh process per trial: a trial's peak RSS and allocator state are its own.
+            reuse_actors=False,
+        ),
+        run_config=tune.RunConfig(
+            name=f"train-{context.parent_run_id[:8]}",
+            storage_path=str((root / "ray_results").resolve()),
+            callbacks=[JsonLoggerCallback(), CSVLoggerCallback()],
+            verbose=tune_verbosity(params),
+        ),
+    )
+    return tuner
 
 
 def register_best_model(client: Any, params: Params, run_id: str, tracking_uri: str) -> dict[str, str] | None:
     """Register the best trial's logged model as a new version (`tracking.registered_model`); None when off."""
-    from pipelines.mlflow_model import MODEL_URI_TAG, register_best
+    from pipelines.tracking.mlflow_model import MODEL_URI_TAG, register_best
 
     name = params.tracking.registered_model_name()
     model_uri = client.get_run(run_id).data.tags.get(MODEL_URI_TAG)

@@ -8,13 +8,14 @@ wrapper serves every task and adapter here the way the pipeline itself loads the
 flavour cannot reload offline. Its `predict` takes what a user has, raw text, and returns what
 the task answers: a classifier's label names, or a language model's greedy continuation.
 
-The model is logged from code (`pipelines/mlflow_pyfunc.py`), not pickled.
+The model is logged from code (`pipelines/tracking/mlflow_pyfunc.py`), not pickled.
 `mlflow.pyfunc.load_model("models:/<name>/<version>")` then predicts, and
 `python -m stages.evaluate` can score a registered version (`eval.model_uri`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,35 +23,18 @@ import pandas as pd
 
 from pipelines.params import Params
 
-# The input column a task's pyfunc reads, and an example of it.
-INPUT_COLUMNS = {"classification": "text", "causal_lm": "prompt", "seq2seq": "source"}
 MODEL_NAME = "model"  # the logged model's name on its run
 MODEL_URI_TAG = "model_uri"  # the trial run's tag holding its logged model's URI
 
 
 def predict_texts(model: Any, tokenizer: Any, params: Params, labels: list[str] | None, texts: list[str]) -> list[str]:
-    """Label names (classification) or greedy continuations (language models) for raw texts, on the CPU."""
+    """What the trained model answers to raw texts, as its task serves them (label names or generated text)."""
     import torch
 
-    answers: list[str] = []
-    batch_size = 32
+    from pipelines.tasks import get_task
+
     with torch.inference_mode():
-        for start in range(0, len(texts), batch_size):
-            chunk = texts[start : start + batch_size]
-            if params.task == "classification":
-                encoded = tokenizer(chunk, truncation=True, max_length=params.data.max_length, padding=True,
-                                    return_tensors="pt")  # fmt: skip
-                ids = model(**encoded).logits.argmax(-1).tolist()
-                answers += [labels[i] if labels else str(i) for i in ids]
-                continue
-            tokenizer.padding_side = "left"  # a decoder continues the prompt's last token
-            encoded = tokenizer(chunk, truncation=True, max_length=params.data.max_length, padding=True,
-                                return_tensors="pt")  # fmt: skip
-            out = model.generate(**encoded, max_new_tokens=params.eval.max_new_tokens, do_sample=False)
-            if params.task == "causal_lm":
-                out = out[:, encoded["input_ids"].shape[1] :]
-            answers += tokenizer.batch_decode(out, skip_special_tokens=True)
-    return [a.strip() for a in answers]
+        return get_task(params.task).predict_texts(model, tokenizer, params, labels, texts)
 
 
 def save_trial_model(folder: Path, params: Params, examples: list[str], dst: Path) -> Path:
@@ -59,7 +43,7 @@ def save_trial_model(folder: Path, params: Params, examples: list[str], dst: Pat
     import mlflow.pyfunc
     from mlflow.models import infer_signature
 
-    example = pd.DataFrame({INPUT_COLUMNS[params.task]: examples[:3]})
+    example = pd.DataFrame({input_column(params.task): examples[:3]})
     local = dst / MODEL_NAME
     mlflow.pyfunc.save_model(
         str(local),
@@ -120,14 +104,19 @@ def register_best(tracking_uri: str, model_uri: str, name: str) -> str:
     return str(mlflow.register_model(model_uri, name).version)
 
 
+def input_column(task: str) -> str:
+    """The column the served model of `task` reads its raw texts from."""
+    from pipelines.tasks import get_task
+
+    return get_task(task).input_column
+
+
 def input_examples(tokenizer: Any, split: Any, task: str, count: int = 3) -> list[str]:
-    """Raw-text inputs for the model's example, decoded from the first rows of a tokenized split (a causal LM's
-    prompts only: what the model is given)."""
-    lengths = split.prompt_lengths if task == "causal_lm" else split.lengths
-    return [
-        tokenizer.decode(split.input_ids[offset : offset + int(length)], skip_special_tokens=True)
-        for offset, length in zip(split.offsets[:count], lengths[:count], strict=True)
-    ]
+    """Raw-text inputs for the model's example, decoded from the first rows of a tokenized split (as the task
+    serves them: a causal LM's prompts only)."""
+    from pipelines.tasks import get_task
+
+    return get_task(task).example_texts(tokenizer, split, count)
 
 
 def download_registered(model_uri: str, tracking_uri: str, dst: Path) -> tuple[Path, str]:
@@ -156,8 +145,20 @@ def model_to_evaluate(params: Params, root: Path, best: Path, trials: Path, tmp:
     registered version `eval.model_uri` (downloaded into `tmp`) and the run that trained it."""
     import json
 
-    from pipelines.tracking import resolve_tracking_uri
+    from pipelines.tracking.runs import resolve_tracking_uri
 
     if params.eval.model_uri is None:
         return best, json.loads(trials.read_text())["best"]["mlflow_run_id"]
     return download_registered(params.eval.model_uri, resolve_tracking_uri(params.tracking.uri, root), tmp)
+
+
+def model_logger(logger: Any, experiment_id: str, run_id: str) -> Callable[..., None]:
+    """Logs a trial's saved folder as its run's MLflow model through `logger` (a RunLogger), tagging its URI."""
+
+    def log(folder: Path, params: Params, tokenizer: Any, test: Any, say: Callable[[str], None]) -> None:
+        examples = input_examples(tokenizer, test, params.task)
+        model_uri = log_trial_model(logger.client, experiment_id, run_id, folder, params, examples, say)
+        if model_uri is not None:
+            logger.log_tags({MODEL_URI_TAG: model_uri})
+
+    return log

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 # The trials' processes (not the driver, which draws their progress bars with tqdm): no per-file or
 # per-tensor progress bars from the libraries they call (transformers' GGUF de-quantization and weight
 # loading, the hub's downloads). tqdm reads TQDM_* once, at import, so they are set when a worker starts.
@@ -47,3 +49,10 @@ def use_cluster_token() -> None:
     except ImportError:  # a Ray without token authentication
         return
     maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def progress_bar(wanted: bool) -> Any:
+    """The progress bar class a trial draws with: Ray's (drawn on the driver's terminal), or None for none."""
+    from ray.experimental.tqdm_ray import tqdm
+
+    return tqdm if wanted else None

@@ -47,8 +47,8 @@ def length_stats(
 
 def prepare_dataset(params: Params, root: Path, out_dir: Path) -> dict[str, Any]:
     """Write tokenized splits, the tokenizer and the task's metadata into `out_dir`; return the stats."""
+    from pipelines.runtime import resolve_device, resolve_pad_multiple
     from pipelines.tasks import get_task
-    from pipelines.train.device import resolve_device, resolve_pad_multiple
 
     task = get_task(params.task)
     data = params.data

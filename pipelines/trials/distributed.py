@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from pipelines.params import Params
-from pipelines.train.device import gpus_for_every_worker
-from pipelines.trial import FINAL_KEY, METRICS_FILE, TrialContext, train_and_save
+from pipelines.recipe import FINAL_KEY, METRICS_FILE, NullLogger, Trial, TrialContext, train_and_save
+from pipelines.runtime import gpus_for_every_worker
 
 
 def resolve_use_gpu(params: Params) -> bool:
@@ -89,34 +89,31 @@ def train_worker(config: dict[str, Any]) -> None:
     """One Ray Train worker (one DDP rank) of a distributed trial."""
     import ray.train
     import ray.train.torch
-    from mlflow.tracking import MlflowClient
 
-    from pipelines.tracking import RunLogger, leave_retries_to_run_logger
+    from pipelines.tracking.mlflow_model import model_logger
+    from pipelines.tracking.runs import RunLogger, leave_retries_to_run_logger
+    from pipelines.tracking.status import open_client
+    from pipelines.trials.ray_cluster import progress_bar
 
     leave_retries_to_run_logger()
     context: TrialContext = config["context"]
     params = Params.model_validate(config["params"])
     rank = ray.train.get_context().get_world_rank()
     device = ray.train.torch.get_device() if config["use_gpu"] else torch.device("cpu")
-    logger = None
+    logger: RunLogger | NullLogger = NullLogger()
+    log_model = None
     if rank == 0:
-        client = MlflowClient(tracking_uri=context.tracking_uri)
+        client = open_client(context.tracking_uri)
         logger = RunLogger(client, config["run_id"], fallback_dir=context.fallback_dir)
+        log_model = model_logger(logger, context.experiment_id, config["run_id"])
+    trial = Trial(
+        context, config["variant"], config["trial_id"], config["run_id"], logger, ray.train.report,
+        Path(config["checkpoint_dir"]), rank, log_model, progress_bar(context.progress_bars and rank == 0),
+    )  # fmt: skip
     try:
-        train_and_save(
-            params,
-            context,
-            config["variant"],
-            config["trial_id"],
-            config["run_id"],
-            logger,
-            ray.train.report,
-            Path(config["checkpoint_dir"]),
-            device=device,
-            rank=rank,
-        )
+        train_and_save(trial, params, device=device)
     finally:
-        if logger is not None:
+        if isinstance(logger, RunLogger):
             logger.close(status=None)  # the driver ends the run
     # Every rank reports as often as the others (Ray Train's report is a barrier). The driver
     # reads the final metrics from the staging folder and reports them to Tune itself.

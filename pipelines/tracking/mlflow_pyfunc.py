@@ -1,7 +1,7 @@
 """The pyfunc model MLflow loads from code (models-from-code): a trial folder that predicts from raw text.
 
 MLflow copies this file into every logged model and runs it when the model is loaded; it needs the
-`pipelines` package installed. See `pipelines.mlflow_model` for why a pyfunc over the folder.
+`pipelines` package installed. See `pipelines.tracking.mlflow_model` for why a pyfunc over the folder.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import mlflow.models
 import mlflow.pyfunc
 import pandas as pd
 
-from pipelines.mlflow_model import INPUT_COLUMNS, predict_texts
 from pipelines.params import Params
+from pipelines.tracking.mlflow_model import input_column, predict_texts
 
 
 class PipelinesModel(mlflow.pyfunc.PythonModel):
@@ -35,7 +35,7 @@ class PipelinesModel(mlflow.pyfunc.PythonModel):
         self.labels = load_label_names(folder) if (folder / LABELS_FILE).is_file() else None
 
     def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> list[str]:
-        texts = model_input[INPUT_COLUMNS[self.params.task]].astype(str).tolist()
+        texts = model_input[input_column(self.params.task)].astype(str).tolist()
         return predict_texts(self.model, self.tokenizer, self.params, self.labels, texts)
 
 

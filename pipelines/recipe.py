@@ -1,0 +1,297 @@
+"""One trial, top to bottom: setup -> resolve -> train -> evaluate and save. Each phase is short.
+
+The Ray Tune trial (`pipelines.trials.trial`) and each Ray Train worker (`pipelines.trials.distributed`) both call
+`train_and_save`; neither imports the other. Rank 0 logs to MLflow; other ranks get a `NullLogger`, so the
+phases log unconditionally and only rank checks that change what is *done* (saving, evaluating) remain.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from pipelines.adapters import BASE_DIR, apply_adapter, save_base_reference, save_trained
+from pipelines.data.batching import padded_length
+from pipelines.data.tokenization import LABELS_FILE, TOKENIZER_DIR, TokenizedSplit
+from pipelines.memory_plan import MemoryPlan
+from pipelines.model import set_attention
+from pipelines.params import Params
+from pipelines.preflight import Preflight, plan_before_training, plan_or_none, trial_planner
+from pipelines.progress import TrialProgress
+from pipelines.runtime import ResolvedPrecision, resolve_device, resolve_pad_multiple, resolve_precision, resolve_tf32
+from pipelines.tasks import get_task
+from pipelines.tasks.base import Task
+from pipelines.train.batch_size import resolve_batch_size
+from pipelines.train.checkpoint import discard
+from pipelines.train.engine import TrainResult, train_model
+from pipelines.train.flops import flops_metrics
+from pipelines.train.lr_range import LrRangeResult, resolve_lr
+
+PARAMS_FILE = "params.json"
+METRICS_FILE = "metrics.json"  # the trial's final metrics, beside its saved model
+# Marks a trial's last result. Not "done": that key is Ray Tune's own and stops the trial.
+FINAL_KEY = "final"
+
+
+@dataclass(frozen=True)
+class TrialContext:
+    """Everything a trial needs that is not a hyperparameter; all paths absolute."""
+
+    params: dict[str, Any]
+    root: str
+    variants: dict[str, dict[str, Any]]
+    tokenized_dir: str
+    staging_dir: str
+    checkpoint_root: str
+    tracking_uri: str
+    experiment_id: str
+    parent_run_id: str
+    threads: int
+    scheduler: str
+    tokenize_stats: dict[str, float]
+    progress_bars: bool = False  # the driver's stdout is a terminal: draw a bar per trial
+
+    @property
+    def fallback_dir(self) -> Path:
+        """Where a run's metrics go when the tracking store stays unreachable (see RunLogger)."""
+        return Path(self.root) / "mlflow-fallback"
+
+
+class TrialLogger(Protocol):
+    """What a trial logs through: pipelines.tracking.runs.RunLogger on rank 0, NullLogger elsewhere."""
+
+    def log_dict(self, metrics: dict[str, float], step: int = 0) -> None: ...
+    def log_tags(self, tags: dict[str, str]) -> None: ...
+
+
+class NullLogger:
+    """The logger of a rank that does not log (every rank but 0 of a distributed trial)."""
+
+    def log_dict(self, metrics: dict[str, float], step: int = 0) -> None:
+        """Log nothing."""
+
+    def log_tags(self, tags: dict[str, str]) -> None:
+        """Log nothing."""
+
+
+@dataclass(frozen=True)
+class Trial:
+    """Who this trial is: its variant, ids, where it logs and reports, and which rank this process is."""
+
+    context: TrialContext
+    variant: str
+    trial_id: str
+    run_id: str
+    logger: TrialLogger
+    report: Callable[[dict[str, Any]], None]
+    checkpoint_dir: Path
+    rank: int = 0
+    # Logs the saved folder as the run's MLflow model (pipelines.tracking.mlflow_model.model_logger); None: not logged.
+    log_model: Callable[[Path, Params, PreTrainedTokenizerBase, TokenizedSplit, Callable[[str], None]], None] | None = (
+        None
+    )
+    make_bar: Callable[..., Any] | None = None  # a tqdm-like progress bar class; None: epoch lines only
+
+    @property
+    def out(self) -> Path:
+        """The trial's staging folder: the saved model, its params and metrics."""
+        return Path(self.context.staging_dir) / self.trial_id
+
+    def say(self, message: str) -> None:
+        """A console line, prefixed with the variant."""
+        print(f"[{self.variant}] {message}", flush=True)
+
+
+@dataclass
+class Setup:
+    """What setup built: the task, tokenizer, model and splits, on the resolved device and precision."""
+
+    params: Params
+    task: Task
+    tokenizer: PreTrainedTokenizerBase
+    model: PreTrainedModel
+    train: TokenizedSplit
+    device: torch.device
+    precision: ResolvedPrecision
+    preflight: Preflight
+    planner: Any
+    plan: MemoryPlan | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and CUDA)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def train_and_save(trial: Trial, params: Params, device: torch.device | None = None) -> dict[str, float]:
+    """Train, evaluate on the test split and save the model; return the run's metrics.
+
+    `trial.report` gets each epoch's validation metrics (Tune's or Ray Train's report). A rank > 0 of a
+    distributed trial trains and reports only, and returns {}. `trial.checkpoint_dir` is the folder the
+    trial claimed (see claim_checkpoint_dir). Besides the engine's clocks, `setup_time_s` gains the time
+    spent here before training (tokenizer, model, plan, batch-size probe), and test evaluation and saving
+    get their own clocks.
+    """
+    setup = set_up(trial, params, device)
+    resolve(trial, setup)
+    setup_time = time.perf_counter() - setup.started
+    result = train(trial, setup)
+    if trial.rank:
+        return {}
+    metrics = evaluate_and_save(trial, setup, result)
+    metrics["setup_time_s"] += setup_time
+    return metrics
+
+
+def set_up(trial: Trial, params: Params, device: torch.device | None) -> Setup:
+    """Tokenizer, model and training split; the memory plan with its budget and strategy; the precision."""
+    started = time.perf_counter()
+    torch.set_num_threads(trial.context.threads)
+    seed_everything(params.seed)  # the same initial weights on every rank
+    tokenized, root = Path(trial.context.tokenized_dir), Path(trial.context.root)
+    tokenizer = AutoTokenizer.from_pretrained(tokenized / TOKENIZER_DIR)
+    task = get_task(params.task)
+    device = device or resolve_device(params)
+    model = set_attention(task.build_model(params, tokenizer, tokenized, root), params.model)
+    train = task.training_split(TokenizedSplit.load(tokenized / "train"), params, model)  # packed, if asked
+    # Before any training: the memory plan, the budget and strategy (which may change the params).
+    planner = trial_planner(task, train, tokenizer, tokenized, root, device)
+    preflight = plan_before_training(params, planner, device)
+    params = preflight.params
+    if preflight.unavailable is not None and trial.rank == 0:
+        trial.say(f"no memory plan for {preflight.unavailable}; training without one")
+    precision = resolve_precision(params, device)
+    trial.logger.log_tags({"precision.resolved": precision, "device.resolved": str(device), "task": params.task})
+    if params.adapter.type != "none" and not params.adapter.merge and trial.rank == 0:
+        # What the adapter needs to be loaded again: a random base's weights, or where a pretrained one is.
+        if params.model.name_or_path is None:
+            model.save_pretrained(trial.out / BASE_DIR, safe_serialization=True)
+        else:
+            save_base_reference(params, root, trial.out)
+    model = apply_adapter(model, params.adapter, task, params)
+    if trial.rank:
+        torch.manual_seed(params.seed + trial.rank)  # own dropout masks per rank
+    return Setup(params, task, tokenizer, model, train, device, precision, preflight, planner, started=started)
+
+
+def resolve(trial: Trial, setup: Setup) -> None:
+    """Every `auto` left after the plan: the micro-batch (probed for real on CUDA) and the learning rate."""
+    params, device = setup.params, setup.device
+    longest = int(setup.train.lengths.max())
+    if params.data.bucketing:
+        longest = padded_length(longest, resolve_pad_multiple(params, device))
+    probed = params.batch_size == "auto"  # still auto: CUDA without a budget, probed for real
+    width = longest if params.data.bucketing else params.data.max_length
+    params = resolve_batch_size(params, setup.model, width, device, setup.precision)
+    setup.plan = plan_or_none(setup.planner, params) if probed and trial.rank == 0 else setup.preflight.plan
+    pad_id = setup.tokenizer.pad_token_id
+    params, sweep = resolve_lr(params, setup.model, setup.train, pad_id, device, setup.precision, setup.task)
+    setup.params = params
+    plan = setup.plan
+    trial.logger.log_dict({**(plan.as_metrics() if plan else {}), **(sweep.as_metrics() if sweep else {})})
+    trial.logger.log_tags({"memory_plan": setup.preflight.note})
+    if sweep:
+        log_lr_range(trial.logger, sweep)
+    trial.logger.log_tags(
+        {"batch_size.resolved": str(params.batch_size), "grad_accum_steps.resolved": str(params.grad_accum_steps)}
+    )
+
+
+def log_lr_range(logger: TrialLogger, sweep: LrRangeResult) -> None:
+    """The range test's curve: as metrics by sweep step (the MLflow UI plots them) and as `lr_range.json`."""
+    for step, (lr, loss) in enumerate(zip(sweep.lrs, sweep.smoothed, strict=True)):
+        if not math.isfinite(loss):  # the step that diverged
+            continue
+        logger.log_dict({"lr_range_lr": lr, "lr_range_loss": loss}, step=step)
+    logger.log_tags({"lr_range_test": f"{sweep.rule}: lr {sweep.chosen:.3g} from {len(sweep.lrs)} steps"})
+    client = getattr(logger, "client", None)  # a RunLogger's MLflow client (lr: auto runs in one process only)
+    if client is not None:
+        client.log_text(logger.run_id, json.dumps(sweep.as_json(), indent=1), "lr_range.json")
+
+
+def train(trial: Trial, setup: Setup) -> TrainResult:
+    """The engine's run, with rank 0 showing progress (a bar on a terminal, a line per epoch) and logging."""
+    params, logger = setup.params, trial.logger
+    progress = TrialProgress(params.epochs, trial.say, trial.make_bar, trial.variant)
+    shown = trial.rank == 0
+
+    def on_epoch_end(epoch: int, step: int, metrics: dict[str, float]) -> None:
+        logger.log_dict(metrics, step=step)
+        if shown:
+            progress.on_epoch_end(epoch, step, metrics)
+        trial.report({**metrics, "mlflow_run_id": trial.run_id})
+
+    def on_log(step: int, point: dict[str, float]) -> None:
+        logger.log_dict({"train_loss": point["loss"], "lr": point["lr"]}, step=step)
+        if shown:
+            progress.on_log(step, point)
+
+    resume_messages: list[str] = []
+
+    def say(message: str) -> None:
+        trial.say(message)
+        resume_messages.append(message)
+
+    validation = TokenizedSplit.load(Path(trial.context.tokenized_dir) / "validation")
+    result = train_model(
+        setup.model,
+        setup.train,
+        validation,
+        params,
+        pad_id=setup.tokenizer.pad_token_id,
+        device=setup.device,
+        precision=setup.precision,
+        on_log=on_log,
+        on_epoch_end=on_epoch_end,
+        checkpoint_dir=trial.checkpoint_dir,
+        say=say,
+        task=setup.task,
+    )
+    progress.close()
+    logger.log_tags({"checkpoint": " / ".join(resume_messages), **result.notes})
+    return result
+
+
+def evaluate_and_save(trial: Trial, setup: Setup, result: TrainResult) -> dict[str, float]:
+    """Rank 0: score the test split, save the model folder, log it as the run's MLflow model; the metrics."""
+    params, tokenizer, out = setup.params, setup.tokenizer, trial.out
+    tokenized = Path(trial.context.tokenized_dir)
+    eval_start = time.perf_counter()
+    test = TokenizedSplit.load(tokenized / "test")
+    evaluation = setup.task.evaluate(setup.model, tokenizer, test, tokenized, params, setup.device, setup.precision)
+    test_eval_time = time.perf_counter() - eval_start
+    save_start = time.perf_counter()
+    save_trained(setup.model, out, params)
+    tokenizer.save_pretrained(out)
+    if (tokenized / LABELS_FILE).is_file():
+        shutil.copyfile(tokenized / LABELS_FILE, out / LABELS_FILE)
+    (out / PARAMS_FILE).write_text(json.dumps(params.model_dump(mode="json"), indent=2, sort_keys=True) + "\n")
+    (out / "history.json").write_text(json.dumps(result.history) + "\n")
+    metrics = {**result.metrics, **evaluation.metrics, "test_eval_time_s": test_eval_time}
+    if setup.plan is not None:  # achieved model FLOP/s (and MFU on a known GPU), from the plan's FLOPs per position
+        tf32 = resolve_tf32(params, setup.precision, setup.device)
+        per_position = setup.plan.model_flops_per_position()
+        metrics |= flops_metrics(per_position, metrics, setup.device, setup.precision, tf32,
+                                 params.distributed.num_workers)  # fmt: skip
+    metrics["save_time_s"] = time.perf_counter() - save_start
+    if trial.log_model is not None:  # the folder (weights, tokenizer, labels, params) as the run's MLflow model
+        log_start = time.perf_counter()
+        trial.log_model(out, params, tokenizer, test, trial.say)
+        metrics["log_model_time_s"] = time.perf_counter() - log_start
+    (out / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    discard(trial.checkpoint_dir)  # finished: a later run with the same params must train, not skip
+    return metrics

@@ -1,0 +1,145 @@
+"""A classifier's forward, its scoring of a split, and its test metrics: accuracy and macro-F1 with their intervals,
+per-class precision and recall, the confusion matrix, and per-row predictions in the split's own row order."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from sklearn.metrics import confusion_matrix, f1_score, precision_recall_fscore_support
+from torch import nn
+
+from pipelines.data.loader import eval_batches
+from pipelines.data.tokenization import TokenizedSplit
+from pipelines.noise import bootstrap_macro_f1_interval, wilson_interval
+from pipelines.params import Params
+from pipelines.runtime import ResolvedPrecision, autocast_context
+
+if TYPE_CHECKING:
+    from pipelines.tasks.base import Task
+
+
+def forward_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Logits of a batch already on the model's device."""
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+
+@torch.inference_mode()
+def predict_logits(
+    model: nn.Module,
+    split: TokenizedSplit,
+    params: Params,
+    pad_id: int,
+    device: torch.device,
+    precision: ResolvedPrecision,
+    task: Task,
+) -> tuple[np.ndarray, float]:
+    """A classifier's (logits in the split's row order, mean loss), from length-bucketed batches."""
+    was_training = model.training
+    model.eval()
+    logits = np.zeros((len(split), 0), dtype=np.float32)
+    total_loss = torch.zeros((), device=device)
+    for batch in eval_batches(model, split, params, pad_id, device, task):
+        with autocast_context(precision, device):
+            out = forward_logits(model, batch).float()
+        total_loss += F.cross_entropy(out, batch["labels"], reduction="sum")
+        if logits.shape[1] == 0:
+            logits = np.zeros((len(split), out.shape[1]), dtype=np.float32)
+        # Scatter back by row index: bucketing reorders rows, predictions must not move.
+        logits[batch["row_index"].cpu().numpy()] = out.cpu().numpy()
+    model.train(was_training)
+    return logits, float(total_loss) / len(split)
+
+
+@dataclass
+class Evaluation:
+    """Scalar metrics, the confusion matrix and one prediction row per test row."""
+
+    metrics: dict[str, float]
+    confusion: np.ndarray
+    predictions: pd.DataFrame
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    exp = np.exp(shifted)
+    return exp / exp.sum(axis=1, keepdims=True)
+
+
+def score(labels: np.ndarray, logits: np.ndarray, label_names: list[str]) -> Evaluation:
+    """Accuracy and macro-F1 with 95% intervals, per-class precision/recall, and the confusion matrix.
+
+    Accuracy's interval is Wilson's, macro-F1's a seeded bootstrap over the test rows (pipelines.noise).
+    """
+    predicted = logits.argmax(axis=1)
+    ids = list(range(len(label_names)))
+    precision, recall, _, _ = precision_recall_fscore_support(labels, predicted, labels=ids, zero_division=0)
+    correct = int((predicted == labels).sum())
+    accuracy_low, accuracy_high = wilson_interval(correct, len(labels))
+    f1_low, f1_high = bootstrap_macro_f1_interval(labels, predicted, len(label_names))
+    metrics = {
+        "test_accuracy": correct / len(labels) if len(labels) else 0.0,
+        "test_accuracy_ci_low": accuracy_low,
+        "test_accuracy_ci_high": accuracy_high,
+        "test_macro_f1": float(f1_score(labels, predicted, labels=ids, average="macro", zero_division=0)),
+        "test_macro_f1_ci_low": f1_low,
+        "test_macro_f1_ci_high": f1_high,
+        "test_rows": float(len(labels)),
+    }
+    for name, p, r in zip(label_names, precision, recall, strict=True):
+        metrics[f"test_precision.{name}"] = float(p)
+        metrics[f"test_recall.{name}"] = float(r)
+    probabilities = softmax(logits)
+    predictions = pd.DataFrame(
+        {
+            "row_id": np.arange(len(labels)),
+            "label": [label_names[i] for i in labels],
+            "predicted": [label_names[i] for i in predicted],
+            **{f"p_{name}": probabilities[:, i].round(6) for i, name in enumerate(label_names)},
+        }
+    )
+    return Evaluation(metrics, confusion_matrix(labels, predicted, labels=ids), predictions)
+
+
+def evaluate_model(
+    model: torch.nn.Module,
+    split: TokenizedSplit,
+    label_names: list[str],
+    params: Params,
+    *,
+    pad_id: int,
+    device: torch.device,
+    precision: ResolvedPrecision,
+    task: Task,
+) -> Evaluation:
+    """Run `model` over `split` (bucketed, inference mode) and score it."""
+    model.to(device)
+    start = time.perf_counter()
+    logits, loss = predict_logits(model, split, params, pad_id, device, precision, task)
+    elapsed = time.perf_counter() - start
+    result = score(split.labels, logits, label_names)
+    result.metrics["test_loss"] = loss
+    result.metrics["eval_samples_per_s"] = len(split) / elapsed
+    return result
+
+
+def confusion_rows(confusion: np.ndarray, label_names: list[str]) -> list[dict[str, str]]:
+    """The confusion matrix as one row per test row (actual, predicted): DVC's confusion template reads this."""
+    rows = []
+    for i, actual in enumerate(label_names):
+        for j, predicted in enumerate(label_names):
+            rows += [{"actual": actual, "predicted": predicted}] * int(confusion[i, j])
+    return rows
+
+
+def per_class_rows(metrics: dict[str, float], label_names: list[str]) -> list[dict[str, float | str]]:
+    """One row per class with its precision and recall (DVC plot data)."""
+    return [
+        {"class": name, "precision": metrics[f"test_precision.{name}"], "recall": metrics[f"test_recall.{name}"]}
+        for name in label_names
+    ]

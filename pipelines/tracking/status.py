@@ -1,0 +1,50 @@
+"""How a trial's MLflow run is watched and how it ends: FINISHED, FAILED on an error, KILLED when stopped."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+
+@contextmanager
+def ended_run(
+    close: Callable[[str], None],
+    on_error: Callable[[Exception], None] = lambda err: None,
+    on_stop: Callable[[], None] = lambda: None,
+) -> Iterator[None]:
+    """Close a run with the status its block earned: `close("FINISHED" | "FAILED" | "KILLED")`.
+
+    An exception is an error (`on_error` records why, in the run); anything else that ends the block early
+    (SystemExit when Ray's scheduler stops a trial, KeyboardInterrupt) is a stop (`on_stop`). The run is
+    closed either way, so none is left RUNNING; what was raised is raised again.
+    """
+    status = "FAILED"
+    try:
+        yield
+        status = "FINISHED"
+    except Exception as err:
+        on_error(err)
+        raise
+    except BaseException:
+        status = "KILLED"
+        on_stop()
+        raise
+    finally:
+        close(status)
+
+
+def open_client(tracking_uri: str) -> Any:
+    """An MLflow client of the store at `tracking_uri` (a trial's process opens its own)."""
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def watch_system(run_id: str, tracking_uri: str) -> Any:
+    """MLflow's system-metrics monitor of the run (CPU, memory, GPU every 5 s), started; `.finish()` it."""
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=5, tracking_uri=tracking_uri)
+    monitor.start()
+    return monitor

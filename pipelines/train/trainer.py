@@ -1,0 +1,350 @@
+"""The training loop as a small trainer: set up, measure, then epochs of steps, validation and checkpoints.
+
+`Trainer.run` reads like nanoGPT's loop: for each epoch, for each accumulation window, one `step` (with the
+out-of-memory retry around it), then `after_step` (counters, schedule, clocks, log point, checkpoint); at
+the epoch's end, `end_epoch` (validation, per-epoch schedule, checkpoint, callback). The clocks and the CUDA
+peaks are paused around everything that is not training.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from pipelines.data.loader import make_loader
+from pipelines.data.tokenization import TokenizedSplit
+from pipelines.errors import UserError
+from pipelines.params import Params
+from pipelines.runtime import ResolvedPrecision, apply_tf32, resolve_pad_multiple, resolve_tf32
+from pipelines.train.checkpoint import LoopState, find_resumable, restore, save_checkpoint
+from pipelines.train.memory import MemoryAtPeak, gradient_bytes, restored_after, track_training_peak
+from pipelines.train.optim import build_optimizer, build_scheduler
+from pipelines.train.out_of_memory import OUT_OF_MEMORY, recover_from_out_of_memory
+from pipelines.train.parallel import gather_full_weights, replicate, shard, uses_fsdp
+from pipelines.train.results import all_reduce, final_metrics, reduce_final_metrics, world
+from pipelines.train.steps import (
+    accumulate_window,
+    global_window_rows,
+    make_scaler,
+    optimizer_step,
+    plan_windows,
+    training_sampler,
+    window_units,
+)
+from pipelines.train.timing import StepClock, timed
+from pipelines.train.validation import evaluate_split
+
+if TYPE_CHECKING:
+    from pipelines.tasks.base import Task
+
+# (optimizer step, logged point: loss, lr, ... plus total_steps and rows_timed for progress displays)
+LogFn = Callable[[int, dict[str, float]], None]
+EpochFn = Callable[[int, int, dict[str, float]], None]  # (epoch, optimizer step, validation metrics)
+
+
+class NonFiniteLoss(UserError):
+    """Training diverged: the loss stayed NaN or infinite for too many steps."""
+
+
+def current_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The learning rate of the first parameter group (what every schedule here sets)."""
+    return float(optimizer.param_groups[0]["lr"])
+
+
+class Trainer:
+    """One run of the loop over `params.epochs`, on the model it is given (trained in place)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        train: TokenizedSplit,
+        validation: TokenizedSplit | None,
+        params: Params,
+        *,
+        pad_id: int,
+        device: torch.device,
+        precision: ResolvedPrecision,
+        on_log: LogFn | None,
+        on_epoch_end: EpochFn | None,
+        checkpoint_dir: Path | None,
+        say: Callable[[str], None],
+        task: Task,
+    ) -> None:
+        self.train, self.validation, self.params, self.pad_id = train, validation, params, pad_id
+        self.device, self.precision, self.task, self.say = device, precision, task, say
+        self.on_log, self.on_epoch_end, self.checkpoint_dir = on_log, on_epoch_end, checkpoint_dir
+        model.train()
+        if params.grad_checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        self.tf32 = resolve_tf32(params, precision, device)
+        if device.type == "cuda":
+            torch.backends.cudnn.benchmark = True
+            apply_tf32(self.tf32)
+        self.rank, self.world_size = world()
+        self.fsdp = uses_fsdp(params, self.world_size)
+        self.whole = model  # the caller's model: trained in place, or under FSDP given the gathered weights at the end
+        self.model = model
+        if self.fsdp:
+            self.model = shard(model, precision, device, self.world_size)  # from here on, this rank's shards
+            if checkpoint_dir is not None:
+                say("FSDP: no checkpoints are written (sharded state is not saved for resume yet); the run starts over")
+                self.checkpoint_dir = None
+        self.pad_multiple = resolve_pad_multiple(params, device)
+        self.sampler = training_sampler(train, params, self.world_size, self.rank)
+        self.total_steps = sum(
+            math.ceil(len(self.sampler.batches(e)) / params.grad_accum_steps) for e in range(params.epochs)
+        )
+        if params.lr == "auto":
+            raise ValueError("lr: auto is resolved before training (pipelines.train.lr_range.resolve_lr)")
+        self.optimizer = build_optimizer(params.optim, self.model, params.lr, params.weight_decay, device)
+        warmup_steps = int(params.warmup_ratio * self.total_steps)
+        self.scheduler = build_scheduler(params.lr_schedule, self.optimizer, params.lr, self.total_steps, warmup_steps)
+        self.scaler = make_scaler(precision, device)
+        self.per_epoch_schedule = params.lr_schedule == "reduce_on_plateau"
+        self.units = task.loss_units(train, params)  # per row: what a window's mean loss divides by
+
+    def run(self, setup_start: float) -> tuple[dict[str, float], LoopState, dict[str, str]]:
+        """Train every epoch; the final metrics (reduced across ranks), the loop's state, and notes for the run."""
+        self.start(setup_start)
+        while self.state.epoch < self.params.epochs:
+            self.epoch()
+        self.pause_training()
+        metrics = final_metrics(self.state, self.model, self.optimizer, self.device, compiled=self.params.compile)
+        if self.fsdp:  # the metrics are this rank's shards'
+            gather_full_weights(self.model, self.whole, self.rank, self.device)
+        if self.world_size > 1:
+            metrics = reduce_final_metrics(metrics, self.device)
+        notes = {"tf32.resolved": str(self.tf32).lower(), "pad_to_multiple_of.resolved": str(self.pad_multiple)}
+        return metrics, self.state, notes
+
+    def start(self, setup_start: float) -> None:
+        """Measure memory on the first window, resume from a checkpoint, wrap the model, start the clocks."""
+        memory = self.measure_memory()
+        self.state = LoopState()
+        if self.checkpoint_dir is not None:
+            payload, message = find_resumable(self.checkpoint_dir, self.params)
+            self.say(message)
+            if payload is not None:
+                self.state = restore(payload, self.model, self.optimizer, self.scheduler, self.scaler)
+        if memory is not None:
+            self.state.memory = memory.as_metrics()
+        self.forward_model: nn.Module = self.model
+        if self.world_size > 1 and not self.fsdp:
+            self.forward_model = replicate(self.model, self.device)
+        if self.params.compile:
+            self.forward_model = torch.compile(self.forward_model)
+        self.clocks = self.state.clocks
+        self.clocks["setup_time_s"] = self.clocks.get("setup_time_s", 0.0) + time.perf_counter() - setup_start
+        self.clock = StepClock(self.device, self.clocks, self.state.step_times)
+        state, device = self.state, self.device
+        self.logged_loss = torch.tensor(state.logged_loss, device=device)  # summed on device; read at log points
+        # Counted on the device so the loop never waits to check: [consecutive non-finite, total non-finite, skipped].
+        self.counters = torch.tensor(
+            [state.nonfinite_consecutive, state.nonfinite_total, state.skipped_total], device=device
+        )
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def measure_memory(self) -> MemoryAtPeak | None:
+        """Peak training memory and its breakdown from two runs of the first window; the weights are then put back."""
+        first_window = plan_windows(self.sampler.batches(0), self.params.grad_accum_steps)[0]  # the longest batch
+        in_process = self.params.model_copy(update={"num_workers": 0, "persistent_workers": False})
+        # Collated once, run twice by the probe (untracked, then tracked).
+        batches = list(
+            make_loader(self.train, first_window, in_process, self.pad_id, self.device, self.pad_multiple, self.task)
+        )
+
+        def probe_window(meter: object) -> None:
+            first_units = window_units(first_window, self.units)
+            accumulate_window(self.model, iter(batches), first_window, self.precision, self.device, self.scaler,
+                              meter, first_units, self.task)  # fmt: skip
+            optimizer_step(self.model, self.optimizer, self.scaler, self.params.max_grad_norm, self.precision)
+
+        return _measure_memory(self.model, self.optimizer, self.scaler, probe_window, self.device, self.say)
+
+    def epoch(self) -> None:
+        """One epoch's windows, resumed mid-epoch when the state says so, then its end."""
+        state, params, epoch = self.state, self.params, self.state.epoch
+        windows = plan_windows(self.sampler.batches(epoch), params.grad_accum_steps, halvings=state.oom_halvings)
+        # Each window's loss is divided by its loss units; under DDP by (global window units / ranks).
+        if self.world_size > 1:
+            global_units = global_window_rows(self.sampler, epoch, params.grad_accum_steps, self.units)
+            divisors = [u / self.world_size for u in global_units]
+        else:
+            divisors = [window_units(window, self.units) for window in windows]
+        loader: Iterator[Any] | None = None
+        while state.window < len(windows):
+            if loader is None:
+                # Resuming mid-epoch: the window plan is deterministic, so skip the windows already done.
+                remaining = [batch for window in windows[state.window :] for batch in window]
+                loader = iter(make_loader(self.train, remaining, params, self.pad_id, self.device,
+                                          self.pad_multiple, self.task))  # fmt: skip
+            outcome = self.step(loader, windows[state.window], divisors[state.window])
+            if outcome is None:  # out of memory: the step's frames are gone, so its activations can be freed
+                windows = recover_from_out_of_memory(self.optimizer, windows, state, self.device, self.world_size,
+                                                     self.say)  # fmt: skip
+                loader = None
+                continue
+            self.after_step(epoch, *outcome)
+        self.end_epoch(epoch)
+
+    def step(self, loader: Iterator[Any], window: list[list[int]], divisor: float) -> tuple[Any, ...] | None:
+        """One optimizer step over `window`: (window loss, counts, skipped flag, warm-up?), or None out of memory."""
+        warmup = self.state.step == 0
+        region = timed(self.device, self.clocks, "warmup_time_s") if warmup else nullcontext()
+        if not warmup:
+            self.resume_training()
+        try:
+            with region:
+                window_loss, counts = accumulate_window(self.forward_model, loader, window, self.precision,
+                                                        self.device, self.scaler, None, divisor, self.task)  # fmt: skip
+                if warmup:
+                    self.state.peak_grad_bytes = gradient_bytes(self.model)
+                skipped = optimizer_step(self.model, self.optimizer, self.scaler, self.params.max_grad_norm,
+                                         self.precision)  # fmt: skip
+        except OUT_OF_MEMORY:
+            return None
+        return window_loss, counts, skipped, warmup
+
+    def after_step(
+        self, epoch: int, window_loss: torch.Tensor, counts: Any, skipped: torch.Tensor, warmup: bool
+    ) -> None:
+        """Count the step (on the device), step the schedule and clocks, log every few steps, checkpoint."""
+        state, params, counters = self.state, self.params, self.counters
+        finite = torch.isfinite(window_loss)
+        counters[0] = torch.where(finite, 0, counters[0] + 1)
+        counters[1] += (~finite).long()
+        counters[2] += skipped.to(counters.device).long()
+        self.logged_loss += torch.where(finite, window_loss, 0.0)  # keep the curve readable
+        if not self.per_epoch_schedule:
+            self.scheduler.step()
+        state.step += 1
+        state.window += 1
+        state.logged_windows += 1
+        if not warmup:
+            self.clock.lap()
+            state.add_timed(counts.rows, counts.tokens, counts.positions, counts.wait_s)
+        if state.step % params.log_every_n_steps == 0 or state.step == self.total_steps:
+            _log_point(state, counters, self.logged_loss, self.optimizer, self.scaler, epoch, self.device,
+                       self.world_size, self.on_log, self.total_steps)  # fmt: skip
+            self.clock.read_laps()
+            if state.nonfinite_consecutive >= params.max_nonfinite_steps:
+                raise NonFiniteLoss(
+                    f"the loss was not finite for {state.nonfinite_consecutive} optimizer steps in a row "
+                    f"(max_nonfinite_steps = {params.max_nonfinite_steps}), up to step {state.step}; those steps "
+                    "were skipped, not applied; lower lr, set max_grad_norm, or use bf16 instead of fp16"
+                )
+        if params.checkpoint_every_n_steps and state.step % params.checkpoint_every_n_steps == 0:
+            self.checkpoint()
+
+    def end_epoch(self, epoch: int) -> None:
+        """Validate (on its own clock), step a per-epoch schedule, checkpoint, and tell the caller."""
+        state = self.state
+        self.pause_training()
+        if self.validation is not None:
+            with timed(self.device, self.clocks, "val_time_s"):
+                state.val_metrics = evaluate_split(self.model, self.validation, self.params, self.pad_id, self.device,
+                                                   self.precision, self.task)  # fmt: skip
+        if self.per_epoch_schedule:
+            # On the validation loss; without validation, on the epoch's last logged training loss.
+            last_train = state.history[-1]["loss"] if state.history else 0.0
+            self.scheduler.step(state.val_metrics.get("val_loss", last_train))
+        state.epoch, state.window = epoch + 1, 0
+        self.checkpoint()
+        if self.on_epoch_end:
+            self.on_epoch_end(epoch + 1, state.step, state.val_metrics)
+
+    def pause_training(self) -> None:
+        """Stop the step clock; on CUDA keep the training segment's peaks (validation's must not count)."""
+        self.clock.stop()
+        if self.device.type == "cuda":
+            state = self.state
+            state.cuda_peak_allocated = max(state.cuda_peak_allocated, torch.cuda.max_memory_allocated(self.device))
+            state.cuda_peak_reserved = max(state.cuda_peak_reserved, torch.cuda.max_memory_reserved(self.device))
+
+    def resume_training(self) -> None:
+        """Start the step clock again (and a fresh CUDA peak), unless it runs."""
+        if self.clock.running:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.clock.start()
+
+    def checkpoint(self) -> None:
+        """Every rank holds the same weights and optimizer state: rank 0 alone writes them."""
+        if self.checkpoint_dir is not None and self.rank == 0:
+            self.pause_training()
+            with timed(self.device, self.clocks, "checkpoint_time_s"):
+                self.state.logged_loss = float(self.logged_loss)
+                save_checkpoint(self.checkpoint_dir, self.params, self.state, self.model, self.optimizer,
+                                self.scheduler, self.scaler)  # fmt: skip
+
+
+def _measure_memory(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    run_window: Callable[[object], None],
+    device: torch.device,
+    say: Callable[[str], None],
+) -> MemoryAtPeak | None:
+    """Peak training memory and its breakdown from two runs of the first window; the weights are then put back."""
+    scaler_state = scaler.state_dict()
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else []
+    with restored_after(model):  # a host copy of the weights: on a GPU a device copy would skew the peak
+        try:
+            return track_training_peak(model, optimizer, device, run_window)
+        except OUT_OF_MEMORY:
+            say("the memory probe ran out of memory on the first window; training will halve micro-batches")
+            return None
+        finally:
+            optimizer.state.clear()  # rebuilt lazily by the first real step
+            optimizer.zero_grad(set_to_none=True)
+            scaler.load_state_dict(scaler_state)
+            torch.set_rng_state(rng)
+            if cuda_rng:
+                torch.cuda.set_rng_state_all(cuda_rng)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+
+
+def _log_point(
+    state: LoopState,
+    counters: torch.Tensor,
+    logged_loss: torch.Tensor,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    epoch: int,
+    device: torch.device,
+    world_size: int,
+    on_log: LogFn | None,
+    total_steps: int,
+) -> None:
+    """The loop's one host-device sync, every log_every_n_steps steps (and, under DDP, its one extra
+    all-reduce: the global loss and the worst rank's counters)."""
+    consecutive, total_bad, skipped = (int(v) for v in all_reduce(counters.tolist(), "max", device))
+    interval_loss = all_reduce([float(logged_loss)], "sum", device)[0] / world_size
+    bad_in_interval = total_bad - state.nonfinite_total
+    state.nonfinite_consecutive, state.nonfinite_total, state.skipped_total = consecutive, total_bad, skipped
+    good = state.logged_windows - bad_in_interval
+    point = {
+        "loss": interval_loss / good if good else float("nan"),
+        "lr": current_lr(optimizer),
+        "skipped_steps": float(skipped),
+    }
+    scale = scaler.get_scale()
+    if scale != 1.0:  # fp16's dynamic scale (other precisions hold it at 1.0)
+        point["loss_scale"] = scale
+    state.history.append({"step": state.step, "epoch": epoch, **point})
+    logged_loss.zero_()
+    state.logged_windows = 0
+    if on_log:  # and, for progress displays, how far along the run is (not part of the logged curve)
+        on_log(state.step, {**point, "total_steps": float(total_steps), "rows_timed": float(state.rows_timed)})

@@ -1,0 +1,133 @@
+"""One Ray Tune trial: validated params + the trial's overrides → a trained, tracked, saved model.
+
+Shaped like accelerate's `train(config, args)`: `config` is what Tune varies (the
+variant name and any sampled overrides), `TrialContext` is the infrastructure (absolute
+paths, the MLflow run tree), which never enters the search space. The trial itself runs
+`pipelines.recipe` in this process, or on Ray Train workers (`pipelines.trials.distributed`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from ray import tune
+
+from pipelines.errors import UserError
+from pipelines.params import Params, apply_overrides
+from pipelines.recipe import FINAL_KEY, PARAMS_FILE, Trial, TrialContext, train_and_save
+from pipelines.tracking.lineage import log_datasets
+from pipelines.tracking.mlflow_model import model_logger
+from pipelines.tracking.runs import (
+    RunLogger,
+    environment_tags,
+    leave_retries_to_run_logger,
+    log_params,
+    quiet_mlflow_info,
+    start_run,
+)
+from pipelines.tracking.status import ended_run, open_client, watch_system
+from pipelines.train.checkpoint import claim_checkpoint_dir
+from pipelines.train.memory import reset_peak_rss
+from pipelines.trials.ray_cluster import progress_bar
+
+__all__ = ["FINAL_KEY", "REPEAT_KEY", "VARIANT_ORDER_TAG", "TrialContext", "run_trial", "trial_overrides"]
+
+
+def trial_overrides(config: dict[str, Any], variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The variant's overrides, then any sampled keys (dotted) from the search space (and a repeat's seed)."""
+    overrides = dict(variants.get(config.get("variant", ""), {}))
+    overrides.update({k: v for k, v in config.items() if k not in ("variant", REPEAT_KEY)})
+    return overrides
+
+
+# The run tag holding the variant's position in tune.variants.
+VARIANT_ORDER_TAG = "variant_order"
+
+# The config key of a repeat's index (tune.num_samples > 1 without a search space); its seed is under "seed".
+REPEAT_KEY = "repeat"
+
+
+def run_trial(config: dict[str, Any], context: TrialContext) -> None:
+    """Ray Tune function trainable: train one configuration and report its metrics."""
+    leave_retries_to_run_logger()
+    quiet_mlflow_info()
+    trial_start = time.perf_counter()
+    # Ray starts a fresh process per trial (reuse_actors=False); the reset makes sure of it for RSS.
+    rss_reset = reset_peak_rss()
+    variant = config.get("variant", "default")
+    trial_id = tune.get_context().get_trial_id()
+    client = open_client(context.tracking_uri)
+    run_id = start_run(
+        client,
+        context.experiment_id,
+        f"{variant}-{trial_id}",
+        {
+            "variant": variant,
+            # Trials finish (and start) in any order when they run concurrently; the report orders
+            # variants as tune.variants declares them.
+            VARIANT_ORDER_TAG: str(list(context.variants).index(variant) if variant in context.variants else 0),
+            "trial_id": trial_id,
+            **({REPEAT_KEY: str(config[REPEAT_KEY])} if REPEAT_KEY in config else {}),
+        },
+        context.parent_run_id,
+    )
+    logger = RunLogger(client, run_id, fallback_dir=context.fallback_dir)
+    system_metrics = watch_system(run_id, context.tracking_uri)
+
+    def close(status: str) -> None:
+        try:
+            system_metrics.finish()
+        except Exception as err:  # noqa: BLE001 - system metrics are best effort; the run's own metrics are not
+            print(f"system metrics could not be flushed: {err}")
+        logger.close(status)
+
+    def record_error(err: Exception) -> None:
+        # Why, in the run itself, so the MLflow UI shows the failure next to its params.
+        message = str(err) if isinstance(err, UserError) else traceback.format_exc(limit=5)
+        logger.log_tags({"error": message[:5000]})
+
+    def record_stop() -> None:
+        # Ray ends a trial's thread with SystemExit when the scheduler (ASHA) stops it early.
+        logger.log_tags({"stopped": f"stopped early by the {context.scheduler} scheduler"})
+
+    with ended_run(close, record_error, record_stop):
+        params = trial_params(config, context, variant, client, run_id, logger, rss_reset)
+        with claim_checkpoint_dir(Path(context.checkpoint_root), params) as checkpoint_dir:
+            if params.distributed.num_workers > 1:
+                from pipelines.trials.distributed import run_distributed_trial
+
+                metrics = run_distributed_trial(params, context, variant, trial_id, run_id, checkpoint_dir)
+            else:
+                trial = Trial(context, variant, trial_id, run_id, logger, tune.report, checkpoint_dir,
+                              log_model=model_logger(logger, context.experiment_id, run_id),
+                              make_bar=progress_bar(context.progress_bars))  # fmt: skip
+                metrics = train_and_save(trial, params)
+        metrics["wall_time_s"] = time.perf_counter() - trial_start
+        logger.log_dict(metrics, step=int(metrics["optimizer_steps"]))
+    # Reported after the run is closed: Tune may end this thread (SystemExit) once it has the last result.
+    tune.report({**metrics, "mlflow_run_id": run_id, "variant": variant, FINAL_KEY: 1})
+
+
+def trial_params(
+    config: dict[str, Any], context: TrialContext, variant: str, client: Any, run_id: str, logger: RunLogger,
+    rss_reset: bool,
+) -> Params:  # fmt: skip
+    """The trial's params (the base with its variant's and sampled overrides), logged with its inputs."""
+    overrides = trial_overrides(config, context.variants)
+    params = apply_overrides(Params.model_validate(context.params), overrides, source=f"variant {variant!r}")
+    log_params(client, run_id, params)
+    logger.log_tags(
+        {
+            **environment_tags(),
+            "overrides": json.dumps(overrides, sort_keys=True),
+            "peak_rss": "reset at trial start" if rss_reset else "process lifetime (no /proc/self/clear_refs)",
+        }
+    )
+    client.log_text(run_id, json.dumps(params.model_dump(mode="json"), indent=2), PARAMS_FILE)
+    log_datasets(client, run_id, params.data, Path(context.root), Path(context.tokenized_dir))
+    logger.log_dict(context.tokenize_stats)
+    return params

@@ -1,0 +1,54 @@
+"""A toy fourth task, written as `pipelines/tasks/regression.py` would be: a regression head on the
+classification data (the label id as a number). Not shipped: `test_adding_a_task.py` registers it with one
+registry line and runs it through the engine, the report's columns, tune's objective and serving.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from pipelines.data.loader import eval_batches
+from pipelines.data.tokenization import TokenizedSplit
+from pipelines.params import Params
+from pipelines.runtime import ResolvedPrecision, autocast_context
+from pipelines.tasks.base import QualityMetric
+from pipelines.tasks.classification import ClassificationTask
+
+
+class RegressionTask(ClassificationTask):
+    """One number per row: the model's first logit against the label id, by mean squared error."""
+
+    name = "regression"
+    objective = ("val_loss", "min")
+    quality = (QualityMetric("MAE", "test_mae", digits=3),)
+    input_column = "text"
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0].float()
+        total = F.mse_loss(out, batch["labels"].float(), reduction="sum")
+        return total, torch.tensor(len(out), device=out.device)
+
+    @torch.inference_mode()
+    def validation_metrics(
+        self, model: nn.Module, split: TokenizedSplit, params: Params, pad_id: int, device: torch.device,
+        precision: ResolvedPrecision,
+    ) -> dict[str, float]:  # fmt: skip
+        errors = np.zeros(len(split))
+        for batch in eval_batches(model, split, params, pad_id, device, self):
+            with autocast_context(precision, device):
+                out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+            errors[batch["row_index"].numpy()] = (out.float() - batch["labels"].float()).numpy()
+        return {"val_loss": float((errors**2).mean()), "val_mae": float(np.abs(errors).mean())}
+
+    def predict_texts(
+        self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, params: Params, labels: list[str] | None,
+        texts: list[str],
+    ) -> list[str]:  # fmt: skip
+        encoded = tokenizer(
+            texts, truncation=True, max_length=params.data.max_length, padding=True, return_tensors="pt"
+        )
+        return [f"{value:.3f}" for value in model(**encoded).logits[:, 0].tolist()]
