@@ -170,28 +170,34 @@ def group_rows(rows: list[TrialRow]) -> list[VariantGroup]:
     return list(groups.values())
 
 
-def difference_se(column: Column, group: VariantGroup, baseline: VariantGroup) -> float | None:
-    """Standard error of (group - baseline) for `column`, or None when the noise is unknown."""
+def difference_se(column: Column, group: VariantGroup, baseline: VariantGroup) -> tuple[float, float | None] | None:
+    """(standard error, degrees of freedom or None for the normal) of (group - baseline) for `column`; None when
+    the noise is unknown."""
     a, b = group.values(column.metric), baseline.values(column.metric)
     from_repeats = repeats_se(a, b)
     if from_repeats is not None:
         return from_repeats
-    if column.noise == "exact":
-        return 0.0
-    if column.noise == "binomial" and a and b:
+    if column.noise == "exact" and not on_cuda(group) and not on_cuda(baseline):
+        return 0.0, None  # MemTracker's byte counts; a CUDA allocator's peak varies between runs
+    if column.noise == "binomial" and len(a) == 1 and len(b) == 1:
         n_a = group.rows[0].metrics.get("test_rows", 0.0)
         n_b = baseline.rows[0].metrics.get("test_rows", 0.0)
-        return (binomial_se(a[0], n_a) ** 2 + binomial_se(b[0], n_b) ** 2) ** 0.5
+        return (binomial_se(a[0], n_a) ** 2 + binomial_se(b[0], n_b) ** 2) ** 0.5, None
     return None
+
+
+def on_cuda(group: VariantGroup) -> bool:
+    """Whether a group's trials trained on CUDA (their memory peaks are the allocator's, not exact counts)."""
+    return any(r.tags.get("device.resolved", "").startswith("cuda") for r in group.rows)
 
 
 def noise_mark(column: Column, group: VariantGroup, baseline: VariantGroup) -> str:
     """'*' when the difference to the baseline exceeds the noise, ', within noise' when not, '' when unknown."""
-    se = difference_se(column, group, baseline)
+    noise = difference_se(column, group, baseline)
     mine, theirs = group.mean(column.metric), baseline.mean(column.metric)
-    if se is None or mine is None or theirs is None:
+    if noise is None or mine is None or theirs is None:
         return ""
-    return "*" if exceeds_noise(mine - theirs, se) else ", within noise"
+    return "*" if exceeds_noise(mine - theirs, *noise) else ", within noise"
 
 
 def _value_cell(column: Column, group: VariantGroup) -> str:
@@ -252,8 +258,9 @@ LEGEND = (
     "libraries included) is secondary. "
     "Accuracy and exact match carry 95% Wilson intervals over the test rows, macro-F1 a bootstrap one. "
     "Repeated variants show mean ± sd over seeds. `*`: the difference to the baseline exceeds the noise "
-    "(1.96 standard errors: of the seeds' spread when repeated, of the test rows for accuracy, zero for exact byte "
-    "counts); 'within noise': it does not."
+    "(Welch's t at 95% from the seeds' spreads when repeated; for one run each, 1.96 binomial standard errors of "
+    "accuracy over the test rows; any difference in exact byte counts, never in a CUDA allocator's peak); "
+    "'within noise': it does not."
 )
 
 

@@ -3,9 +3,11 @@
 Accuracy over n test rows is a binomial proportion: its interval is Wilson's score interval,
 which stays inside [0, 1] and is right for small n (the normal approximation is not). Macro-F1
 has no closed form, so its interval is a seeded percentile bootstrap over the test rows.
-A difference between two trials is "within noise" unless it exceeds 1.96 standard errors of
-the difference: from the seeds' spread when variants were repeated, else (for accuracy) from the
-binomial standard errors of both trials.
+A difference between two variants is "within noise" unless it exceeds the two-sided 95% critical value
+times the standard error of the difference. Repeated over seeds, that is Welch's t: the standard error from
+the seeds' spreads and Student's t quantile at the Welch-Satterthwaite degrees of freedom (with n = 2 per
+side, about 4.3, not 1.96: a normal quantile would mark far too much). One run each, only accuracy has a
+noise estimate, the binomial standard errors of both trials, with the normal quantile.
 """
 
 from __future__ import annotations
@@ -64,13 +66,34 @@ def mean_sd(values: Sequence[float]) -> tuple[float, float]:
     return float(arr.mean()), float(arr.std(ddof=1)) if len(arr) > 1 else 0.0
 
 
-def exceeds_noise(difference: float, standard_error: float) -> bool:
-    """Whether |difference| is beyond 1.96 standard errors (a 95% two-sided test)."""
-    return abs(difference) > Z95 * standard_error
+def critical_value(df: float | None) -> float:
+    """The two-sided 95% critical value: Student's t at `df` degrees of freedom, or the normal's when None."""
+    if df is None or not math.isfinite(df):
+        return Z95
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, df))
 
 
-def repeats_se(a: Sequence[float], b: Sequence[float]) -> float | None:
-    """Standard error of mean(a) - mean(b) from the repeats' spreads; None unless both were repeated."""
+def exceeds_noise(difference: float, standard_error: float, df: float | None = None) -> bool:
+    """Whether |difference| is beyond the 95% critical value (t at `df`, else normal) times its standard error.
+
+    A standard error of 0 (exact byte counts, or repeats that agree to the byte) marks any difference.
+    """
+    if standard_error == 0:
+        return difference != 0
+    return abs(difference) > critical_value(df) * standard_error
+
+
+def repeats_se(a: Sequence[float], b: Sequence[float]) -> tuple[float, float | None] | None:
+    """(standard error, Welch-Satterthwaite df) of mean(a) - mean(b) from the repeats' spreads.
+
+    None unless both sides were repeated; df None when both spreads are 0 (the difference is then exact).
+    """
     if len(a) < 2 or len(b) < 2:
         return None
-    return math.sqrt(mean_sd(a)[1] ** 2 / len(a) + mean_sd(b)[1] ** 2 / len(b))
+    va, vb = mean_sd(a)[1] ** 2 / len(a), mean_sd(b)[1] ** 2 / len(b)
+    if va + vb == 0:
+        return 0.0, None
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    return math.sqrt(va + vb), df

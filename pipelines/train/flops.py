@@ -3,16 +3,21 @@
 Model FLOPs come from the memory plan's step (`pipelines.memory_plan`): torch's
 `FlopCounterMode` counts the matmuls, convolutions and attention of one optimizer step of the
 trial's own code (forward, backward and LoRA's skipped weight gradients as they run), without
-checkpointing's recomputed forward, which is not model work. Divided by the step's (padded)
-positions it gives FLOPs per position, and the run's positions per second of the timed steps
-turn that into FLOP/s. The planned step is the longest window, so attention's quadratic share
-is that of the longest rows: for bucketed short batches the figure is a slight over-estimate.
+checkpointing's recomputed forward, which is not model work. Divided by the step's positions it
+gives the FLOPs one token costs the model, and the run's *real* (non-pad) tokens per second of the
+timed steps turn that into model FLOP/s (MFU as PaLM's appendix defines it): padding is work the
+hardware does but not model work, so a padded run gets no credit for it, and the same tokens give
+the same figure padded or not, whatever time the padding costs. The planned step is the longest
+window, so attention's quadratic share is that of the longest rows: for bucketed short batches the
+figure is a slight over-estimate.
 
 MFU divides by the dense peak of the device for the precision the matmuls ran in (16-bit, TF32 or
 plain fp32), from NVIDIA's data sheets; an unknown GPU or a CPU gets no MFU rather than a guess.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -33,24 +38,34 @@ GPU_PEAK_TFLOPS = {
 }
 
 
+def gpu_model(name: str) -> str | None:
+    """The table's entry for a CUDA device name ("NVIDIA L40S" -> "L40S", "NVIDIA A100-SXM4-80GB" -> "A100"),
+    matched as a whole model name, never a prefix of another ("L4" is not "L40S"); None when not in the table."""
+    bare = re.sub(r"^(NVIDIA|Tesla)\s+", "", name.strip())
+    for key in GPU_PEAK_TFLOPS:  # most specific names first
+        if bare == key or bare.startswith((key + " ", key + "-")):
+            return key
+    return None
+
+
 def gpu_peak_flops(name: str, precision: str, tf32: bool) -> float | None:
     """The dense peak FLOP/s of the named GPU for the matmul precision, or None for a GPU not in the table."""
-    for key, (half, tf32_peak, fp32) in GPU_PEAK_TFLOPS.items():  # most specific names first
-        if key in name:
-            peak = half if precision in ("bf16", "fp16") else tf32_peak if tf32 else fp32
-            return peak * 1e12
-    return None
+    key = gpu_model(name)
+    if key is None:
+        return None
+    half, tf32_peak, fp32 = GPU_PEAK_TFLOPS[key]
+    return (half if precision in ("bf16", "fp16") else tf32_peak if tf32 else fp32) * 1e12
 
 
 def flops_metrics(
     flops_per_position: float, metrics: dict[str, float], device: torch.device, precision: str, tf32: bool,
     world_size: int = 1,
 ) -> dict[str, float]:  # fmt: skip
-    """`model_tflops_per_s` from the run's timed positions per second, and `mfu` on a GPU the table knows."""
-    padding = metrics.get("padding_fraction", 0.0)
-    tokens_per_s = metrics.get("tokens_per_s", float("nan"))
-    positions_per_s = tokens_per_s / (1.0 - padding) if padding < 1.0 else float("nan")
-    achieved = flops_per_position * positions_per_s
+    """`model_tflops_per_s` from the run's real (non-pad) tokens per second, and `mfu` on a GPU the table knows.
+
+    `flops_per_position`: the model FLOPs one position costs (the plan's); a pad position costs as much but
+    is no model work, so only real tokens count."""
+    achieved = flops_per_position * metrics.get("tokens_per_s", float("nan"))
     out = {"model_tflops_per_s": achieved / 1e12}
     if device.type == "cuda":
         peak = gpu_peak_flops(torch.cuda.get_device_name(device), precision, tf32)

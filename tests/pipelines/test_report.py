@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib.image as mpimg
+import pytest
 
-from pipelines.comparison import DELTA_HEADER
+from pipelines.comparison import DELTA_HEADER, TrialRow
 from pipelines.params import TrackingParams
 from pipelines.report import COLUMNS, build_report, comparison_table, format_metric, format_relative, load_rows
 from pipelines.tracking.runs import RunLogger, open_experiment, start_run
@@ -202,3 +203,34 @@ def test_a_planned_trial_shows_its_predicted_peak_and_the_error(tmp_path: Path):
     cells = {row[0]: dict(zip(header, row, strict=True)) for row in body}
     assert cells["vanilla"]["Predicted peak"] == "381.5 MB (+0.0% vs measured)"
     assert cells["lean"]["Predicted peak"] == "104.9 MB (+10.0% vs measured)"
+
+
+def test_noise_marks_use_welchs_t_at_the_repeats_degrees_of_freedom():
+    from pipelines.noise import critical_value, exceeds_noise, repeats_se
+
+    # Two seeds a side, a difference of 3 standard errors: beyond 1.96 (a normal quantile would mark it), but
+    # within t's 4.30 at 2 degrees of freedom: not marked.
+    a, b = [10.0, 12.0], [13.0, 15.0]
+    se, df = repeats_se(b, a)
+    assert se == pytest.approx(1.0 * 2**0.5) and df == pytest.approx(2.0)
+    assert critical_value(df) == pytest.approx(4.303, abs=1e-3)
+    assert not exceeds_noise(3.0, se, df) and exceeds_noise(3.0, se)  # t says within; the normal would mark it
+    # Far apart (10 standard errors): marked by t too.
+    assert exceeds_noise(10 * se, se, df)
+    # Many seeds: t approaches the normal's 1.96.
+    assert critical_value(1000) == pytest.approx(1.962, abs=1e-3)
+    # Repeats that agree to the byte: any difference is real, none is not.
+    assert repeats_se([5.0, 5.0], [6.0, 6.0]) == (0.0, None) and exceeds_noise(1.0, 0.0) and not exceeds_noise(0.0, 0.0)
+
+
+def test_a_cuda_memory_peak_is_not_treated_as_exact(tmp_path: Path):
+    from pipelines.comparison import SPEED_MEMORY_COLUMNS, VariantGroup, noise_mark
+
+    peak = next(c for c in SPEED_MEMORY_COLUMNS if c.metric == "peak_train_memory_bytes")
+
+    def group(name: str, device: str, value: float) -> VariantGroup:
+        row = TrialRow(name, "run", "FINISHED", {peak.metric: value}, {"device.resolved": device})
+        return VariantGroup(name, [row])
+
+    assert noise_mark(peak, group("lean", "cpu", 1e9), group("vanilla", "cpu", 2e9)) == "*"  # exact bytes
+    assert noise_mark(peak, group("lean", "cuda:0", 1e9), group("vanilla", "cuda:0", 2e9)) == ""  # one run: unknown
