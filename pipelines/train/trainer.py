@@ -228,7 +228,11 @@ class Trainer:
         state.step += 1
         state.window += 1
         state.logged_windows += 1
-        if not warmup:
+        if warmup:
+            # The warm-up step is not timed, but it is training, and usually the largest (the longest batch comes
+            # first, and the optimizer state is created in it): keep its peak before the next step's reset.
+            self.keep_cuda_peaks()
+        else:
             self.clock.lap()
             state.add_timed(counts.rows, counts.tokens, counts.positions, counts.wait_s)
         if state.step % params.log_every_n_steps == 0 or state.step == self.total_steps:
@@ -264,6 +268,10 @@ class Trainer:
     def pause_training(self) -> None:
         """Stop the step clock; on CUDA keep the training segment's peaks (validation's must not count)."""
         self.clock.stop()
+        self.keep_cuda_peaks()
+
+    def keep_cuda_peaks(self) -> None:
+        """Fold the CUDA allocator's peaks since its last reset into the run's (no-op on CPU)."""
         if self.device.type == "cuda":
             state = self.state
             state.cuda_peak_allocated = max(state.cuda_peak_allocated, torch.cuda.max_memory_allocated(self.device))

@@ -212,3 +212,39 @@ def test_the_memory_probe_leaves_training_exactly_as_without_it(default_params, 
     unprobed = run(default_params, model=tiny_model(dropout=0.1), optim=optim).history
     # Weights, optimizer state, scaler and RNG (dropout masks) are put back: the same losses, bit for bit.
     assert [h["loss"] for h in probed] == [h["loss"] for h in unprobed]
+
+
+def test_the_cuda_peak_keeps_the_warmup_step_and_leaves_out_what_follows_a_pause(monkeypatch, default_params):
+    """The allocator's peak bookkeeping, with its counters faked: warm-up, timed steps, validation."""
+    from pipelines.train.checkpoint import LoopState
+    from pipelines.train.trainer import Trainer
+
+    allocator = {"peak": 0}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: allocator["peak"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: allocator["peak"] + 1)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: allocator.update(peak=0))
+
+    class Clock:
+        running = False
+
+        def start(self) -> None:
+            self.running = True
+
+        def stop(self) -> None:
+            self.running = False
+
+    trainer = object.__new__(Trainer)  # only the bookkeeping: no model, no CUDA
+    trainer.state, trainer.device, trainer.clock = LoopState(), torch.device("cuda"), Clock()
+    trainer.params = default_params.model_copy(update={"log_every_n_steps": 100, "checkpoint_every_n_steps": None})
+    trainer.counters, trainer.logged_loss = torch.zeros(3, dtype=torch.long), torch.zeros(())
+    trainer.per_epoch_schedule, trainer.total_steps = True, 100
+    allocator["peak"] = 900  # the warm-up step: the longest batch, and the optimizer state created
+    trainer.after_step(0, torch.tensor(1.0), None, torch.tensor(False), warmup=True)
+    trainer.resume_training()  # the next step resets the allocator's peak
+    allocator["peak"] = 600
+    trainer.pause_training()  # validation follows: its allocations must not count
+    allocator["peak"] = 5000
+    trainer.resume_training()
+    allocator["peak"] = 700
+    trainer.pause_training()
+    assert (trainer.state.cuda_peak_allocated, trainer.state.cuda_peak_reserved) == (900, 901)
