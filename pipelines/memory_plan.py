@@ -39,7 +39,7 @@ from pipelines.data.loader import make_loader
 from pipelines.data.tokenization import TOKENIZER_DIR, TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.params import Params, apply_overrides
-from pipelines.runtime import ResolvedPrecision
+from pipelines.runtime import ResolvedPrecision, resolve_pad_multiple
 from pipelines.tasks.base import Task
 from pipelines.train.fast_dropout import fast_dropout
 from pipelines.train.memory import track_training_peak
@@ -205,8 +205,11 @@ def plan_memory(
     adapt: Callable[[nn.Module], nn.Module],
     pad_id: int,
     precision: ResolvedPrecision,
+    device: torch.device = CPU,
 ) -> MemoryPlan:
     """Predict the peak of one training step of `params` on `train`'s first (longest) window, in CPU bytes.
+
+    The batches are padded as the trial on `device` pads them (`data.pad_to_multiple_of` resolved there).
 
     `build_base` makes the model from its config under FakeTensorMode (no weight allocated or read), `adapt`
     applies the adapter outside it (peft builds its small weights for real); see `_unavailable_on_failure`."""
@@ -217,7 +220,7 @@ def plan_memory(
     in_process = params.model_copy(update={"num_workers": 0, "persistent_workers": False})
     batches = [
         {k: v for k, v in batch.items() if k not in _HOST_COUNTS}
-        for batch in make_loader(train, window, in_process, pad_id, CPU, None, task)
+        for batch in make_loader(train, window, in_process, pad_id, CPU, resolve_pad_multiple(params, device), task)
     ]
     all_positions = sum(int(b["input_ids"].numel()) for b in batches)
     batches = peak_micro_batches(batches)

@@ -56,6 +56,7 @@ def trial_planner(
                 lambda model: apply_adapter(model, params.adapter, task, params),
                 int(tokenizer.pad_token_id),  # type: ignore[arg-type]
                 resolve_precision(params, device),
+                device,
             )
         finally:
             torch.set_rng_state(rng)

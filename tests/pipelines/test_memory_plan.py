@@ -148,3 +148,15 @@ def test_a_gguf_model_is_planned_from_its_config_and_its_weights_are_never_read(
     # SmolLM2-135M: 134,515,008 fp32 weights (embeddings tied to the head), of which LoRA's alone train.
     assert plan.parameters >= 134_515_008 * 4 and 0 < plan.trainable_parameters < plan.parameters / 100
     assert plan.optimizer_state == 2 * plan.trainable_parameters and plan.peak > plan.parameters
+
+
+def test_the_plan_pads_as_the_trial_does(default_params):
+    """`data.pad_to_multiple_of: 64` widens every batch: the plan must pad the same way (within 5%)."""
+    params, task, train, build = bert_case(default_params, {"data.pad_to_multiple_of": 64})
+    no_rounding = params.model_copy(update={"data": params.data.model_copy(update={"pad_to_multiple_of": None})})
+    unpadded = plan_memory(no_rounding, task, train, build, lambda model: model, 0, "fp32")
+    plan = plan_memory(params, task, train, build, lambda model: model, 0, "fp32")
+    torch.manual_seed(params.seed)
+    measured = train_model(build(), train, None, params, pad_id=0, device=CPU, precision="fp32", task=task).metrics
+    assert plan.batch_width % 64 == 0 and plan.peak > unpadded.peak
+    assert abs(plan.peak / measured["peak_train_memory_bytes"] - 1) <= 0.05, (plan.peak, measured)
