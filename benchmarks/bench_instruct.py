@@ -1,6 +1,15 @@
 """Instruction-tuning SmolLM2-135M-Instruct on AG News topics: full vs LoRA vs LoRA+bf16+bucketing, and TRL (CPU).
 
     python -m benchmarks.bench_instruct [--train-rows N] [--test-rows M] [--json PATH]
+    python -m benchmarks.bench_instruct --peers --seeds 42 43 44 [--train-rows 400]   # ours vs TRL, like for like
+
+`--peers` runs ours against TRL's SFTTrainer like for like (the same rows, epochs, batch, lr, schedule,
+LoRA rank and targets, precision, max length, completion-only loss, length grouping, and checkpointing
+off on both sides, set explicitly: TRL 1.x turns it on by default), then TRL at its own defaults
+(checkpointing on). Seeds run round-robin (every configuration once per seed, in turn), and the table
+gives per-seed ratios. Precision is bf16 only on a CPU with native bf16 (AVX-512 BF16 or AMX), else
+fp32 on both sides: emulated bf16 is many times slower for everyone. TRL's effective config and its
+measured batch padding are written with the figures.
 
 Rows are AG News articles phrased as instructions ("Classify the topic ... Topic:") whose answer
 is one of World / Sports / Business / Sci/Tech. The model is the GGUF build shipped by
@@ -68,6 +77,14 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "LoRA+bf16+bucketing": ("ours", {**LORA, "precision": "bf16", "data.bucketing": True}),
     "TRL SFTTrainer LoRA+bf16+group_by_length": ("trl", {**LORA, "precision": "bf16", "data.bucketing": True}),
 }
+# Like for like (--peers): checkpointing off on both sides, set explicitly; then TRL at its defaults.
+LIKE = {**LORA, "data.bucketing": True, "grad_checkpointing": False}
+PEER_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "ours LoRA": ("ours", LIKE),
+    "TRL LoRA, like for like": ("trl", LIKE),
+    "TRL LoRA, TRL's defaults (checkpointing on)": ("trl-defaults", LIKE),
+}
+ALL_CONFIGS = {**CONFIGS, **PEER_CONFIGS}
 
 
 def smollm2_folder() -> Path | None:
@@ -131,8 +148,24 @@ def step_clock() -> Any:
     return StepClock()
 
 
-def train_trl(params: Params, model: Any, tokenizer: Any, source: Path) -> dict[str, float]:
-    """The same fine-tune through TRL's SFTTrainer: prompt-completion rows, completion-only loss, same LoRA."""
+def padding_counter(collate: Any) -> tuple[Any, dict[str, int]]:
+    """`collate` wrapped to count the positions and real tokens of every batch it builds (TRL's own padding)."""
+    counts = {"positions": 0, "tokens": 0}
+
+    def counted(features: Any) -> Any:
+        batch = collate(features)
+        mask = batch["attention_mask"]
+        counts["positions"] += int(mask.numel())
+        counts["tokens"] += int(mask.sum())
+        return batch
+
+    return counted, counts
+
+
+def train_trl(params: Params, model: Any, tokenizer: Any, source: Path, defaults: bool = False) -> dict[str, Any]:
+    """The same fine-tune through TRL's SFTTrainer: prompt-completion rows, completion-only loss, same LoRA.
+
+    `defaults`: gradient checkpointing left at TRL's default (on) instead of set to ours (params)."""
     from datasets import Dataset
     from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
@@ -150,6 +183,7 @@ def train_trl(params: Params, model: Any, tokenizer: Any, source: Path) -> dict[
             lr_scheduler_type="linear",
             max_grad_norm=params.max_grad_norm,
             bf16=params.precision == "bf16",
+            **({} if defaults else {"gradient_checkpointing": params.grad_checkpointing}),
             use_cpu=True,
             train_sampling_strategy="group_by_length",
             max_length=params.data.max_length,
@@ -182,10 +216,16 @@ def train_trl(params: Params, model: Any, tokenizer: Any, source: Path) -> dict[
             callbacks=[clock],
         )
         setup = time.perf_counter() - start
+        trainer.data_collator, padding = padding_counter(trainer.data_collator)
         start = time.perf_counter()
         trainer.train()
         wall = time.perf_counter() - start
         trained = trainer.model
+        effective = {
+            key: str(getattr(args, key, None))
+            for key in ("gradient_checkpointing", "bf16", "loss_type", "completion_only_loss", "padding_free",
+                        "packing", "train_sampling_strategy", "max_length", "per_device_train_batch_size")
+        }  # fmt: skip
     timed_rows = len(train) * params.epochs - params.batch_size
     return {
         "model": trained,
@@ -193,6 +233,8 @@ def train_trl(params: Params, model: Any, tokenizer: Any, source: Path) -> dict[
         "wall_time_s": wall,
         "samples_per_s": timed_rows / clock.seconds,
         "trl_setup_s": setup,
+        "padding_fraction": 1 - padding["tokens"] / max(padding["positions"], 1),
+        "trl_effective_config": effective,
     }
 
 
@@ -206,8 +248,9 @@ def run_one(name: str, work: Path, folder: Path, seed: int) -> dict[str, Any]:
     from pipelines.train.engine import train_model
     from pipelines.train.memory import peak_rss_bytes
 
-    engine, overrides = CONFIGS[name]
-    params = params_for(folder, work / "source", seed=seed, **overrides)
+    engine, overrides = ALL_CONFIGS[name]
+    precision = {"precision": peer_precision()} if name in PEER_CONFIGS else {}
+    params = params_for(folder, work / "source", seed=seed, **{**overrides, **precision})
     torch.set_num_threads(2)
     seed_everything(params.seed)
     task = get_task("causal_lm")
@@ -240,9 +283,12 @@ def run_one(name: str, work: Path, folder: Path, seed: int) -> dict[str, Any]:
             "optimizer_state_mb": m["optimizer_state_bytes"] / 2**20,
             "trainable_param_mb": m["trainable_param_bytes"] / 2**20,
             "activations_mb": m["peak_activation_bytes"] / 2**20,
+            "padding_fraction": m["padding_fraction"],
+            "grad_checkpointing": params.grad_checkpointing,
+            "precision": params.precision,
         }
-    elif engine == "trl":
-        result = train_trl(params, model, tokenizer, work / "source")
+    elif engine in ("trl", "trl-defaults"):
+        result = train_trl(params, model, tokenizer, work / "source", defaults=engine == "trl-defaults")
         model = result.pop("model")
     precision = "fp32" if engine == "none" else params.precision
     scored = task.evaluate(model, tokenizer, test, work, params, torch.device("cpu"), precision)  # work: no metadata
@@ -262,6 +308,50 @@ def run_in_subprocess(name: str, work: Path, seed: int) -> dict[str, Any]:
     result = json.loads(line.removeprefix("RESULT "))
     print(f"done: {name} {result}", file=sys.stderr, flush=True)
     return result
+
+
+def peer_precision() -> str:
+    """bf16 where the CPU has it natively (AVX-512 BF16 or AMX), else fp32: emulated bf16 is slow for everyone."""
+    from pipelines.runtime import cpu_has_fast_bf16
+
+    return "bf16" if cpu_has_fast_bf16() else "fp32"
+
+
+def cpu_flags() -> str:
+    """The host's CPU model and its bf16-relevant flags, written with the figures."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+    wanted = sorted(f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma"))
+    return f"{model}; {len([ln for ln in info.splitlines() if ln.startswith('processor')])} cores; " + " ".join(wanted)
+
+
+def print_peer_table(runs: dict[str, dict[int, dict[str, Any]]], seeds: list[int]) -> None:
+    """Per seed: ours vs each TRL configuration (steps and wall ratios), exact match with intervals; then means."""
+    import statistics
+
+    ours = runs["ours LoRA"]
+    print(f"host: {cpu_flags()}; precision {peer_precision()} on both sides\n")
+    print("| Configuration | Seed | Steps | Wall | ours/peer steps | ours/peer wall | Padding | Exact match [95% CI] |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, by_seed in runs.items():
+        for seed in seeds:
+            r = by_seed[seed]
+            steps = ours[seed]["train_time_s"] / r["train_time_s"]
+            wall = ours[seed]["wall_time_s"] / r["wall_time_s"]
+            em = (f"{100 * r['test_exact_match']:.1f} [{100 * r['test_exact_match_ci_low']:.1f}, "
+                  f"{100 * r['test_exact_match_ci_high']:.1f}]")  # fmt: skip
+            print(f"| {name} | {seed} | {r['train_time_s']:.1f} s | {r['wall_time_s']:.1f} s | {steps:.2f}x "
+                  f"| {wall:.2f}x | {100 * r['padding_fraction']:.1f}% | {em} |")  # fmt: skip
+    for name, by_seed in runs.items():
+        if name == "ours LoRA":
+            continue
+        steps = [ours[s]["train_time_s"] / by_seed[s]["train_time_s"] for s in seeds]
+        wall = [ours[s]["wall_time_s"] / by_seed[s]["wall_time_s"] for s in seeds]
+        sd = statistics.stdev if len(seeds) > 1 else (lambda values: 0.0)
+        print(f"\nours vs {name}: steps {statistics.mean(steps):.2f}x ± {sd(steps):.2f}, "
+              f"wall {statistics.mean(wall):.2f}x ± {sd(wall):.2f} (mean ± sd over {len(seeds)} seeds)")  # fmt: skip
+        print(f"  {name}'s effective config: {by_seed[seeds[0]]['trl_effective_config']}")
 
 
 def pct(value: float, base: float) -> str:
@@ -309,12 +399,17 @@ def main() -> None:
     parser.add_argument("--test-rows", type=int, default=200)
     parser.add_argument("--json", type=Path, default=Path(__file__).with_name("bench_instruct_results.json"))
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--peers", action="store_true", help="ours vs TRL's SFTTrainer, like for like and at defaults")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[42, 43, 44], help="with --peers: round-robin seeds")
     parser.add_argument("--only", help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     folder = require_assets()
     if args.only:
         print("RESULT " + json.dumps(run_one(args.only, args.work, folder, args.seed)))
+        return
+    if args.peers:
+        run_peers(args, folder)
         return
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -335,6 +430,23 @@ def main() -> None:
         + "\n"
     )
     print(f"\nfigures: {args.json}")
+
+
+def run_peers(args: argparse.Namespace, folder: Path) -> None:
+    """Every peer configuration once per seed, seeds in turn (round-robin), on the same tokenized rows."""
+    runs: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in PEER_CONFIGS}
+    with tempfile.TemporaryDirectory() as tmp:
+        stats = prepare(folder, Path(tmp), args.train_rows, args.test_rows)
+        for seed in args.seeds:
+            for name in PEER_CONFIGS:
+                runs[name][seed] = run_in_subprocess(name, Path(tmp), seed)
+    print_peer_table(runs, args.seeds)
+    out = args.json.with_name("bench_instruct_peers.json")
+    command = " ".join(["python -m benchmarks.bench_instruct", *sys.argv[1:]])
+    out.write_text(json.dumps({"command": command, "host": cpu_flags(), "tokenize": stats,
+                               "runs": {k: {str(s): r for s, r in v.items()} for k, v in runs.items()}},
+                              indent=2) + "\n")  # fmt: skip
+    print(f"\nfigures: {out}")
 
 
 if __name__ == "__main__":
