@@ -91,5 +91,6 @@ def assert_packing_re_trains(root: Path) -> None:
         status = json.loads(run(["dvc", "status", "--json"], root).stdout)
     finally:
         (root / "params.yaml").write_text(params)
-    changed = [entry.get("changed params", {}).get("params.yaml", {}) for entry in status.get("train", [])]
+    # DVC 3 lists a stage's changed params among its changed deps: {"changed deps": {"params.yaml": {key: ...}}}.
+    changed = [entry.get("changed deps", {}).get("params.yaml", {}) for entry in status.get("train", [])]
     assert any("data.packing" in entry for entry in changed), status
