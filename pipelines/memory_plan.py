@@ -150,6 +150,18 @@ def peak_micro_batches(batches: list[dict[str, torch.Tensor]]) -> list[dict[str,
     return [first] + [rest[i] for i in sorted({by_area, by_attention})]
 
 
+def _step_and_model_flops(
+    step: Callable[[object | None], None], model: nn.Module, checkpointing: bool, scale: float
+) -> tuple[int, int]:
+    """FLOPs of one more step as torch counts them (matmuls, convolutions, attention), and the model's FLOPs:
+    without checkpointing's recomputed forward, so that step runs without it. Both times `scale`."""
+    step_flops = model_flops = _count_flops(step)
+    if checkpointing:
+        model.gradient_checkpointing_disable()
+        model_flops = _count_flops(step)
+    return int(step_flops * scale), int(model_flops * scale)
+
+
 def _count_flops(step: Callable[[object | None], None]) -> int:
     with FlopCounterMode(display=False) as counter:
         step(None)
@@ -251,15 +263,9 @@ def plan_memory(
         dropout = fast_dropout(model) if params.fast_dropout and not params.compile else nullcontext()
         with dropout:
             peak = track_training_peak(model, optimizer, CPU, step)
-            # FLOPs of one more step, as torch counts them (matmuls, convolutions, attention); the
-            # model's FLOPs exclude checkpointing's recomputed forward, so that step runs without it.
-            step_flops = model_flops = _count_flops(step)
-            if params.grad_checkpointing:
-                model.gradient_checkpointing_disable()
-                model_flops = _count_flops(step)
             # The planned micro-batches stand for the whole window: FLOPs scale with its positions.
             scale = all_positions / sum(int(b["input_ids"].numel()) for b in batches)
-            step_flops, model_flops = int(step_flops * scale), int(model_flops * scale)
+            step_flops, model_flops = _step_and_model_flops(step, model, params.grad_checkpointing, scale)
         state = [v for kept in optimizer.state.values() for v in kept.values() if isinstance(v, torch.Tensor)]
         state = [v for v in state if v.numel() > 1]  # as the trial counts: moments and factors, not scalar steps
     plan = MemoryPlan(
