@@ -15,6 +15,11 @@ class UserError(Exception):
     """An error caused by the user's input; its message says what to change."""
 
 
+def warn_user(message: str) -> None:
+    """A one-line warning about the user's input that does not stop the run (stderr, as errors are)."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
 def run_cli(main: Callable[[], None]) -> None:
     """Run a stage's `main`, turning a `UserError` into a one-paragraph message and exit code 1."""
     try:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 from sklearn.model_selection import train_test_split
 
-from pipelines.errors import UserError
+from pipelines.errors import UserError, warn_user
 from pipelines.params import GENERATOR_SOURCE, DataParams
 
 if TYPE_CHECKING:
@@ -30,6 +30,11 @@ class DataError(UserError):
 
 
 def _read_table(path: Path, csv_columns: list[str] | None = None) -> pd.DataFrame:
+    if path.suffix not in _SUFFIXES:
+        raise DataError(
+            f"data.source: {path} has the file type {path.suffix or '(none)'!r}, which cannot be read; supported: "
+            f"{', '.join(_SUFFIXES)} files, a folder of train/validation/test files, or a Hugging Face dataset id"
+        )
     try:
         if path.suffix == ".csv":
             if csv_columns is None:
@@ -127,15 +132,26 @@ def make_splits(tables: dict[str, pd.DataFrame], data: DataParams, seed: int) ->
     for split in SPLITS:
         if out[split].empty:
             raise DataError(f"split {split!r} is empty; lower data.val_fraction/test_fraction or add rows")
-    has_labels = "label" in out["train"]
-    unseen = (
-        sorted((set(out["validation"]["label"]) | set(out["test"]["label"])) - set(out["train"]["label"]))
-        if has_labels
-        else []
-    )
-    if unseen:
-        raise DataError(f"label(s) {unseen} occur in validation/test but never in train; the model cannot learn them")
+    if "label" in out["train"]:
+        check_labels(out)
     return {s: out[s] for s in SPLITS}
+
+
+def check_labels(splits: dict[str, pd.DataFrame]) -> None:
+    """Refuse a train split with fewer than two classes (nothing to learn); warn of classes train never shows."""
+    counts = splits["train"]["label"].value_counts()
+    if len(counts) < 2:
+        per_class = ", ".join(f"{k!r}: {v} rows" for k, v in counts.items())
+        raise DataError(
+            f"the train split has {len(counts)} class(es) ({per_class}); a classifier needs at least two: "
+            "check data.label_column, or the source's labels"
+        )
+    unseen = sorted((set(splits["validation"]["label"]) | set(splits["test"]["label"])) - set(counts.index))
+    if unseen:
+        warn_user(
+            f"label(s) {unseen} occur in validation/test but never in train: the model cannot predict them, "
+            "and every such row counts as wrong"
+        )
 
 
 def load_splits(data: DataParams, seed: int, root: Path, task: Task) -> dict[str, pd.DataFrame]:

@@ -54,6 +54,20 @@ CASES = [
     ),
     ("empty split", "tokenize", {"data.source": "folder"}, ("folder/train.csv", b"text,label\n"), "the split is empty"),
     (
+        "one class",
+        "tokenize",
+        {"data.source": "one.csv"},
+        ("one.csv", b"text,label\n" + b"hello world,a\nbye now,a\n" * 20),
+        "the train split has 1 class(es) ('a': ",
+    ),
+    (
+        "unknown file type",
+        "tokenize",
+        {"data.source": "notes.txt"},
+        ("notes.txt", b"text,label\nhello world,a\n"),
+        "has the file type '.txt', which cannot be read; supported: .csv, .jsonl, .json, .parquet",
+    ),
+    (
         "unknown model path",
         "tokenize",
         {"model.name_or_path": "./models/none"},

@@ -101,15 +101,26 @@ def test_empty_split(tmp_path, default_params):
     expect_error(tmp_path, default_params, r"split 'test'.*the split is empty", **{"data.source": str(tmp_path)})
 
 
-def test_label_only_in_test(tmp_path, default_params):
+def test_label_only_in_test_is_a_warning_naming_it(tmp_path, default_params, capsys):
     write_csv(tmp_path / "train.csv", labels=("a", "b"))
     write_csv(tmp_path / "test.csv", labels=("a", "zebra"))
+    params = tiny_params(default_params, **{"data.source": str(tmp_path)})
+    splits = load_splits(params.data, params.seed, tmp_path, CLASSIFICATION)
+    assert "zebra" in set(splits["test"]["label"])
+    assert "warning: label(s) ['zebra'] occur in validation/test but never in train" in capsys.readouterr().err
+
+
+def test_a_single_class_in_train_is_refused_with_its_counts(tmp_path, default_params):
+    write_csv(tmp_path / "d.csv", labels=("only",))
     expect_error(
-        tmp_path,
-        default_params,
-        r"\['zebra'\] occur in validation/test but never in train",
-        **{"data.source": str(tmp_path)},
+        tmp_path, default_params, r"train split has 1 class\(es\) \('only': \d+ rows\)", **{"data.source": "d.csv"}
     )
+
+
+def test_an_unknown_file_type_names_the_supported_ones(tmp_path, default_params):
+    (tmp_path / "something.txt").write_text("text,label\na,b\n")
+    expect_error(tmp_path, default_params, r"file type '.txt'.*supported: .csv, .jsonl, .json, .parquet",
+                 **{"data.source": "something.txt"})  # fmt: skip
 
 
 def test_non_utf8_bytes(tmp_path, default_params):
