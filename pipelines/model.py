@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import functools
+import socket
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 from transformers import (
@@ -30,7 +32,33 @@ def resolve_model_name(model: ModelParams, root: Path) -> str:
         return str(local)
     if model.name_or_path.startswith((".", "/", "~")):
         raise UserError(f"model.name_or_path = {model.name_or_path!r}: no such local folder ({local})")
+    check_hub_reachable(model)
     return model.name_or_path
+
+
+def check_hub_reachable(model: ModelParams) -> None:
+    """Fail at once, in one line, when a hub id is neither cached nor downloadable (offline mode, or no route to
+    the hub): transformers would otherwise retry for half a minute per file and print every attempt."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    assert model.name_or_path is not None
+    if isinstance(try_to_load_from_cache(model.name_or_path, model.gguf_file or "config.json",
+                                         revision=model.revision), str):  # fmt: skip
+        return  # in the local cache: loaded from there
+    if constants.HF_HUB_OFFLINE:
+        reason = "offline mode is set (HF_HUB_OFFLINE)"
+    else:
+        url = urlparse(constants.ENDPOINT)
+        try:
+            socket.create_connection((url.hostname, url.port or 443), timeout=5).close()
+            return
+        except OSError as err:
+            reason = f"the hub ({constants.ENDPOINT}) cannot be reached: {err}"
+    raise UserError(
+        f"model.name_or_path = {model.name_or_path!r}: not a local folder and not in the Hugging Face cache, and "
+        f"{reason}; point model.name_or_path at a local folder (a save_pretrained output or a downloaded "
+        "snapshot), or run where the hub is reachable"
+    )
 
 
 def build_model(
