@@ -65,6 +65,8 @@ class Task(ABC):
     peft_task_type: str
     # The validation metric that picks the best trial when tune.metric is auto, and its direction.
     objective: tuple[str, Literal["max", "min"]]
+    # What validation_metrics reports at every epoch's end: the metrics tune.metric can name.
+    validation_metric_names: tuple[str, ...]
     # The report's quality columns; the first is the headline (its Δ to the baseline is shown).
     quality: tuple[QualityMetric, ...]
     # The column a served model (pipelines.tracking.mlflow_pyfunc) reads its raw texts from.

@@ -159,6 +159,7 @@ class CausalLmTask(Task):
     name = "causal_lm"
     peft_task_type = "CAUSAL_LM"
     objective = ("val_loss", "min")
+    validation_metric_names = ("val_loss", "val_token_accuracy")
     quality = (
         QualityMetric("Exact match", "test_exact_match", scale=100, binomial=True, interval=True),
         QualityMetric("Token accuracy", "test_token_accuracy", scale=100),

@@ -55,6 +55,7 @@ class ClassificationTask(Task):
     name = "classification"
     peft_task_type = "SEQ_CLS"
     objective = ("val_accuracy", "max")
+    validation_metric_names = ("val_loss", "val_accuracy")
     quality = (
         QualityMetric("Accuracy", "test_accuracy", scale=100, binomial=True, interval=True),
         QualityMetric("Macro-F1", "test_macro_f1", scale=100, interval=True),

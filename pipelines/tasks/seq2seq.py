@@ -106,6 +106,7 @@ class Seq2SeqTask(Task):
     name = "seq2seq"
     peft_task_type = "SEQ_2_SEQ_LM"
     objective = ("val_loss", "min")
+    validation_metric_names = ("val_loss", "val_token_accuracy")
     quality = (
         QualityMetric("BLEU", "test_bleu"),
         QualityMetric("chrF", "test_chrf"),

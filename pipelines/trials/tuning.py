@@ -161,7 +161,7 @@ def run_tuning(
     params: Params, root: Path, tokenized_dir: Path, out_dir: Path, tokenize_stats: dict[str, float]
 ) -> dict[str, Any]:
     """Run every trial; write the best model to `out_dir/best` and a trials summary; return the summary."""
-
+    objective = tune_objective(params)  # first: a tune.metric the task does not report fails before any run opens
     tracking_uri = resolve_tracking_uri(params.tracking.uri, root)
     client, experiment_id = open_store(params.tracking, root)
     tags = {
@@ -192,7 +192,6 @@ def run_tuning(
         tokenize_stats=tokenize_stats,
         progress_bars=sys.stdout.isatty(),
     )
-    objective = tune_objective(params)
     # MLflow is the tracker, so Tune writes only the result files its ResultGrid reads back (JSON, CSV), not
     # TensorBoard event files, whose logger also printed a TensorBoard hint on every run.
     os.environ["TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"] = "1"

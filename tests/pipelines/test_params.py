@@ -246,14 +246,21 @@ def test_auto_objective_follows_the_task(default_params):
 
     assert tune_objective(default_params) == ("val_accuracy", "max")
     assert tune_objective(tiny_params(default_params, task="causal_lm")) == ("val_loss", "min")
-    assert tune_objective(tiny_params(default_params, **{"tune.metric": "val_token_accuracy"})) == (
-        "val_token_accuracy",
-        "max",
-    )
+    lm = {"task": "causal_lm", "tune.metric": "val_token_accuracy"}
+    assert tune_objective(tiny_params(default_params, **lm)) == ("val_token_accuracy", "max")
     assert tune_objective(tiny_params(default_params, **{"tune.metric": "val_loss", "tune.mode": "max"})) == (
         "val_loss",
         "max",
     )
+
+
+def test_a_tune_metric_the_task_does_not_report_is_refused_naming_those_it_does(default_params):
+    from pipelines.errors import UserError
+    from pipelines.tasks import tune_objective
+
+    with pytest.raises(UserError, match=r"tune.metric = 'val_acc': task classification reports val_loss, "
+                                         r"val_accuracy at every epoch"):  # fmt: skip
+        tune_objective(tiny_params(default_params, **{"tune.metric": "val_acc"}))
 
 
 def test_qlora_is_refused_without_cuda_with_a_clear_message(default_params):

@@ -24,6 +24,7 @@ class RegressionTask(ClassificationTask):
 
     name = "regression"
     objective = ("val_loss", "min")
+    validation_metric_names = ("val_loss", "val_mae")
     quality = (QualityMetric("MAE", "test_mae", digits=3),)
     input_column = "text"
 
