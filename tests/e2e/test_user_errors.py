@@ -81,6 +81,13 @@ CASES = [
         None,
         "tracking.uri = 'http://127.0.0.1:9': the MLflow server is unreachable",
     ),
+    (
+        "tune metric the task does not report",
+        "train",
+        {"tune.metric": "val_acc"},
+        None,
+        "tune.metric = 'val_acc': task classification reports val_loss, val_accuracy at every epoch",
+    ),
     ("CUDA-only option without CUDA", "train", {"optim": "adamw_8bit"}, None, "optim = 'adamw_8bit' needs CUDA"),
     (
         "more GPU workers than CUDA devices",
