@@ -24,12 +24,20 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from pipelines.adapters import BASE_DIR, apply_adapter, save_base_reference, save_trained
 from pipelines.data.batching import padded_length
 from pipelines.data.tokenization import LABELS_FILE, TOKENIZER_DIR, TokenizedSplit
+from pipelines.errors import warn_user
 from pipelines.memory_plan import MemoryPlan
 from pipelines.model import set_attention
 from pipelines.params import Params
 from pipelines.preflight import Preflight, plan_before_training, plan_or_none, trial_planner
 from pipelines.progress import TrialProgress
-from pipelines.runtime import ResolvedPrecision, resolve_device, resolve_pad_multiple, resolve_precision, resolve_tf32
+from pipelines.runtime import (
+    ResolvedPrecision,
+    emulated_bf16_warning,
+    resolve_device,
+    resolve_pad_multiple,
+    resolve_precision,
+    resolve_tf32,
+)
 from pipelines.tasks import get_task
 from pipelines.tasks.base import Task
 from pipelines.train.batch_size import resolve_batch_size
@@ -175,6 +183,9 @@ def set_up(trial: Trial, params: Params, device: torch.device | None) -> Setup:
     if preflight.unavailable is not None and trial.rank == 0:
         trial.say(f"no memory plan for {preflight.unavailable}; training without one")
     precision = resolve_precision(params, device)
+    slow_bf16 = emulated_bf16_warning(precision, device)
+    if slow_bf16 and trial.rank == 0:
+        warn_user(f"[{trial.variant}] {slow_bf16}")
     trial.logger.log_tags({"precision.resolved": precision, "device.resolved": str(device), "task": params.task})
     if params.adapter.type != "none" and not params.adapter.merge and trial.rank == 0:
         # What the adapter needs to be loaded again: a random base's weights, or where a pretrained one is.
