@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from pipelines.params.errors import ParamsError, format_validation_error
 
-if TYPE_CHECKING:
-    from pipelines.params.schema import Params
+# Any params model (schema.Params): typed by its base, so this module never imports the schema (no circle).
+Params = TypeVar("Params", bound=BaseModel)
 
 
 def set_dotted(tree: dict[str, Any], dotted_key: str, value: Any) -> None:
@@ -37,7 +37,7 @@ def apply_overrides(params: Params, overrides: Mapping[str, Any], source: str = 
         raise ParamsError(format_validation_error(err, source)) from None
 
 
-def flatten_params(params: Params) -> dict[str, Any]:
+def flatten_params(params: BaseModel) -> dict[str, Any]:
     """Flatten to dotted keys (`data.max_length`); variants are logged as one JSON-ish string."""
     flat: dict[str, Any] = {}
 

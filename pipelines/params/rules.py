@@ -7,12 +7,12 @@ first rule that holds is reported; the order below is the order a user fixes thi
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple
 
 from pipelines.params.sections import FSDP_OPTIMIZERS
 
-if TYPE_CHECKING:
-    from pipelines.params.schema import Params
+# The rules read a schema.Params; typed Any so this module never imports the schema, which imports it.
+Params = Any
 
 
 class Rule(NamedTuple):
