@@ -1,7 +1,10 @@
-"""Start or join the Ray cluster the trials run on: a local one of our own, or the one at an address."""
+"""Start or join the Ray cluster the trials run on (ours, or the one at an address); Tune's console output."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from typing import Any
 
 # The trials' processes (not the driver, which draws their progress bars with tqdm): no per-file or
@@ -56,3 +59,24 @@ def progress_bar(wanted: bool) -> Any:
     from ray.experimental.tqdm_ray import tqdm
 
     return tqdm if wanted else None
+
+
+@contextlib.contextmanager
+def tune_console(verbosity: int) -> Iterator[None]:
+    """Ray Tune's console output at `verbosity`; at 0, nothing at all.
+
+    Tune's newer output engine prints its "Configuration for experiment" box and the results path even
+    at verbosity 0; its legacy engine honours 0 (checked on Ray 2.60), so a single trial selects it.
+    """
+    if verbosity > 0:
+        yield
+        return
+    before = os.environ.get("RAY_AIR_NEW_OUTPUT")
+    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
+        else:
+            os.environ["RAY_AIR_NEW_OUTPUT"] = before

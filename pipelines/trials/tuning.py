@@ -30,7 +30,7 @@ from pipelines.tracking.runs import (
     start_run,
 )
 from pipelines.tracking.status import ended_run
-from pipelines.trials.ray_cluster import init_ray
+from pipelines.trials.ray_cluster import init_ray, tune_console
 from pipelines.trials.trial import FINAL_KEY, REPEAT_KEY, TrialContext, run_trial
 
 BEST_DIR = "best"
@@ -203,7 +203,8 @@ def run_tuning(
     with ended_run(close):
         init_ray(local_ray_cpus(params, cpus), ray_address(params))
         tuner = build_tuner(params, context, resources, objective, root)
-        results = tuner.fit()
+        with tune_console(tune_verbosity(params)):
+            results = tuner.fit()
         summary = _summarize(results, params, parent_run_id, experiment_id, tracking_uri)
         best = summary["best"]
         shutil.move(str(staging / best["trial_id"]), str(out_dir / BEST_DIR))

@@ -24,6 +24,7 @@ KNOWN_NOISE = (
     "Updating database tables",
     "Started monitoring system metrics",
     "Trial status:",  # Ray Tune's status table: only for a sweep of several trials
+    "Configuration for experiment",  # Tune's header box, printed by its newer output engine even at verbose 0
     "de-quantizing",  # per-tensor progress bars of the model loaders
 )
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from pipelines.trials.tuning import local_ray_cpus, trial_resources, worker_threads
 from tests.conftest import tiny_params
 
@@ -20,3 +22,19 @@ def test_distributed_trial_is_a_one_cpu_driver_and_its_workers_share_the_cores(d
     assert local_ray_cpus(params, 8) == 10  # one logical CPU more per concurrent driver
     declared = tiny_params(params, **{"tune.resources_per_trial.cpu": 3})
     assert worker_threads(declared, 8) == 3  # declared CPUs are per worker when distributed
+
+
+def test_a_single_trial_silences_tunes_console_and_restores_the_engine_choice(monkeypatch):
+    from pipelines.trials.ray_cluster import tune_console
+
+    monkeypatch.delenv("RAY_AIR_NEW_OUTPUT", raising=False)
+    with tune_console(0):
+        # Tune's newer engine prints its header box even at verbose 0; the legacy one prints nothing.
+        assert os.environ["RAY_AIR_NEW_OUTPUT"] == "0"
+    assert "RAY_AIR_NEW_OUTPUT" not in os.environ
+    with tune_console(1):  # a sweep keeps Tune's own output (its status table)
+        assert "RAY_AIR_NEW_OUTPUT" not in os.environ
+    monkeypatch.setenv("RAY_AIR_NEW_OUTPUT", "1")
+    with tune_console(0):
+        assert os.environ["RAY_AIR_NEW_OUTPUT"] == "0"
+    assert os.environ["RAY_AIR_NEW_OUTPUT"] == "1"
