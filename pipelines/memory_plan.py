@@ -33,7 +33,6 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorMode,
 )
-from torch.utils.flop_counter import FlopCounterMode
 
 from pipelines.data.loader import make_loader
 from pipelines.data.tokenization import TOKENIZER_DIR, TokenizedSplit
@@ -42,6 +41,7 @@ from pipelines.params import Params, apply_overrides
 from pipelines.runtime import ResolvedPrecision, resolve_pad_multiple
 from pipelines.tasks.base import Task
 from pipelines.train.fast_dropout import fast_dropout
+from pipelines.train.flops import flop_counter
 from pipelines.train.memory import track_training_peak
 from pipelines.train.optim import build_optimizer
 from pipelines.train.parallel import sharding_units
@@ -155,17 +155,16 @@ def _step_and_model_flops(
 ) -> tuple[int, int]:
     """FLOPs of one more step as torch counts them (matmuls, convolutions, attention), and the model's FLOPs:
     without checkpointing's recomputed forward, so that step runs without it. Both times `scale`."""
-    step_flops = model_flops = _count_flops(step)
     if checkpointing:
+        with flop_counter(model_work=False) as hardware:
+            step(None)
         model.gradient_checkpointing_disable()
-        model_flops = _count_flops(step)
-    return int(step_flops * scale), int(model_flops * scale)
-
-
-def _count_flops(step: Callable[[object | None], None]) -> int:
-    with FlopCounterMode(display=False) as counter:
-        step(None)
-    return int(counter.get_total_flops())
+        with flop_counter(model_work=True) as model_work:
+            step(None)
+    else:  # one step, both counters (nested dispatch modes each see every op)
+        with flop_counter(model_work=False) as hardware, flop_counter(model_work=True) as model_work:
+            step(None)
+    return int(hardware.get_total_flops() * scale), int(model_work.get_total_flops() * scale)
 
 
 def _all_fake(model: nn.Module, mode: FakeTensorMode) -> nn.Module:

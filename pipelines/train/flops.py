@@ -11,6 +11,12 @@ the same figure padded or not, whatever time the padding costs. The planned step
 window, so attention's quadratic share is that of the longest rows: for bucketed short batches the
 figure is a slight over-estimate.
 
+Attention is counted on every SDPA kernel: torch's counter has formulas for the CUDA kernels but none
+for the CPU flash kernel (torch 2.13: a CPU step counted no attention at all), so `flop_counter` adds
+it. Attention is counted in full, causal masks included (no halving for the masked half), as torch's
+counter and PaLM's appendix count it. Model work is forward plus twice the forward in the backward;
+the hardware count keeps the flash kernels' backward recompute of the scores, as torch counts it.
+
 MFU divides by the dense peak of the device for the precision the matmuls ran in (16-bit, TF32 or
 plain fp32), from NVIDIA's data sheets; an unknown GPU or a CPU gets no MFU rather than a guess.
 """
@@ -18,8 +24,10 @@ plain fp32), from NVIDIA's data sheets; an unknown GPU or a CPU gets no MFU rath
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
+from torch.utils import flop_counter as torch_flops
 
 # Dense (no sparsity) peak TFLOP/s from NVIDIA's data sheets: (16-bit, TF32, fp32).
 GPU_PEAK_TFLOPS = {
@@ -55,6 +63,40 @@ def gpu_peak_flops(name: str, precision: str, tf32: bool) -> float | None:
         return None
     half, tf32_peak, fp32 = GPU_PEAK_TFLOPS[key]
     return (half if precision in ("bf16", "fp16") else tf32_peak if tf32 else fp32) * 1e12
+
+
+def _sdpa_forward(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, **kwargs: Any) -> int:
+    return torch_flops.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _sdpa_backward_hardware(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    return torch_flops.sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+def _sdpa_backward_model(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    # The gradients of both products (scores and output) w.r.t. both inputs: twice the forward's work.
+    return 2 * torch_flops.sdpa_flop_count(query, key, value)
+
+
+def flop_counter(model_work: bool) -> torch_flops.FlopCounterMode:
+    """torch's FLOP counter with attention on every SDPA kernel, the CPU's included.
+
+    `model_work`: count the model's FLOPs (an attention backward is twice its forward) rather than the
+    hardware's (the flash kernels recompute the scores in the backward)."""
+    aten = torch.ops.aten
+    backward = _sdpa_backward_model if model_work else _sdpa_backward_hardware
+    mapping = {
+        aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_forward,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: backward,
+    }
+    if model_work:
+        for op in (
+            aten._scaled_dot_product_flash_attention_backward,
+            aten._scaled_dot_product_efficient_attention_backward,
+            aten._scaled_dot_product_cudnn_attention_backward,
+        ):
+            mapping[op] = backward
+    return torch_flops.FlopCounterMode(display=False, custom_mapping=mapping)
 
 
 def flops_metrics(
