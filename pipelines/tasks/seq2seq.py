@@ -88,11 +88,14 @@ def target_token_loss(
     logits = model(
         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], decoder_input_ids=decoder_input
     ).logits
-    targets = batch["labels"] != IGNORE
-    picked = logits[targets].float()
-    labels = batch["labels"][targets]
-    total = F.cross_entropy(picked, labels, reduction="sum")
-    correct = (picked.detach().argmax(-1) == labels).sum()
+    # Every position with ignore_index, not the targets picked by a boolean mask: a mask's data-dependent shape
+    # costs a host sync per micro-batch on CUDA and cannot be sized on fake tensors (the memory plan). Decoder
+    # rows pad only past their EOS, so the fp32 copy covers few positions more than the targets.
+    labels = batch["labels"]
+    targets = labels != IGNORE
+    flat = logits.flatten(0, 1).float()
+    total = F.cross_entropy(flat, labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    correct = ((flat.detach().argmax(-1) == labels.flatten()) & targets.flatten()).sum()
     return total, targets.sum(), correct
 
 

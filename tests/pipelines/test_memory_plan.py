@@ -96,12 +96,23 @@ def test_every_variant_is_planned_from_the_tokenized_split(default_params, tmp_p
 def test_a_run_that_cannot_be_planned_trains_without_a_plan_and_says_why_in_one_line(default_params):
     from pipelines.errors import UserError
     from pipelines.preflight import plan_before_training
+    from pipelines.tasks.causal_lm import IGNORE
     from tests.pipelines.tasks.test_seq2seq import WordTokenizer as S2STokenizer
     from tests.pipelines.tasks.test_seq2seq import s2s_params, s2s_split
 
-    # seq2seq's loss still selects its targets by a mask: a data-dependent shape fake tensors cannot size.
+    seq2seq = get_task("seq2seq")
+
+    class MaskedLoss(type(seq2seq)):
+        """Selects its targets by a boolean mask: a data-dependent shape fake tensors cannot size."""
+
+        def loss(self, model, batch):
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                           labels=batch["labels"]).logits  # fmt: skip
+            targets = batch["labels"] != IGNORE
+            return torch.nn.functional.cross_entropy(logits[targets], batch["labels"][targets]), targets.sum()
+
     params = s2s_params(default_params, epochs=1, batch_size=4)
-    task = get_task("seq2seq")
+    task = MaskedLoss()
 
     def planner(p: Params):
         build = lambda: task.build_model(p, S2STokenizer(), Path("."), Path("."))  # noqa: E731
@@ -114,6 +125,22 @@ def test_a_run_that_cannot_be_planned_trains_without_a_plan_and_says_why_in_one_
     assert reason.startswith("the seq2seq model built from model.config: ") and "data-dependent shapes" in reason
     with pytest.raises(UserError, match="memory_budget needs a memory plan.*seq2seq model"):
         plan_before_training(tiny_params(params, memory_budget="1GB"), planner, CPU)
+
+
+def test_seq2seq_is_planned_and_its_loss_needs_no_host_sync(default_params):
+    from tests.pipelines.tasks.test_seq2seq import WordTokenizer as S2STokenizer
+    from tests.pipelines.tasks.test_seq2seq import s2s_params, s2s_split
+
+    # Its loss weighs every position with ignore_index (no boolean mask), so fake tensors can size it.
+    params = s2s_params(default_params, epochs=1, batch_size=4)
+    task = get_task("seq2seq")
+    build = lambda: task.build_model(params, S2STokenizer(), Path("."), Path("."))  # noqa: E731
+    train = s2s_split(rows=16)
+    plan = plan_memory(params, task, train, build, lambda model: model, 0, "fp32")
+    torch.manual_seed(params.seed)
+    measured = train_model(build(), train, None, params, pad_id=0, device=CPU, precision="fp32", task=task).metrics
+    assert abs(plan.peak / measured["peak_train_memory_bytes"] - 1) <= PEAK_TOLERANCE, (plan.peak, measured)
+    assert plan.optimizer_state == measured["optimizer_state_bytes"]
 
 
 @pytest.mark.slow
