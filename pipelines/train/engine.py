@@ -4,9 +4,9 @@ Each optimizer step is the three parts in `pipelines.train.steps`. Around them t
 one clock per region (`pipelines.train.timing`): the first optimizer step is the warm-up
 (compile, lazy allocations), timed on its own; `train_time_s` is every later step, the same
 region for every strategy; validation, checkpoint writes and setup have their own clocks.
-Memory is measured before the loop by running the first window twice under PyTorch's
-MemTracker (then the weights are put back), and on CUDA by the allocator's peak over the
-training segments.
+Memory is measured on the warm-up step itself, under PyTorch's MemTracker, with the optimizer's
+fresh state made ahead so the step is the steady state (`Trainer.start`), and on CUDA by the
+allocator's peak over the training segments.
 """
 
 from __future__ import annotations

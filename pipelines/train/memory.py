@@ -169,11 +169,23 @@ def track_training_peak(
     """Run `run_step(per_micro_batch_meter)` twice, the second time under PyTorch's MemTracker; return its peak.
 
     The first, untracked, optimizer step creates the optimizer state, so the tracked one is the
-    steady state every later step repeats (state alive while activations are). Only one step is
-    tracked because the tracker, a Python dispatch mode, slows the step it watches several times.
-    The caller restores the weights afterwards. Hand-written glue only: the counting is torch's own.
+    steady state every later step repeats (state alive while activations are). The caller restores
+    the weights afterwards. Where the optimizer's fresh state can be made without a step
+    (`pipelines.train.optim.create_fresh_state`), the trainer tracks its own warm-up step instead.
     """
     run_step(None)
+    return track_step(model, optimizer, device, run_step)
+
+
+def track_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, run_step: Callable[[object], None]
+) -> MemoryAtPeak:
+    """Run `run_step(per_micro_batch_meter)` once under PyTorch's MemTracker; return its peak and breakdown.
+
+    The optimizer state should exist already: only then is the step the steady state every later step
+    repeats. Only one step is tracked because the tracker, a Python dispatch mode, slows the step it
+    watches. Hand-written glue only: the counting is torch's own.
+    """
     tracker = _frozen_aware_tracker()
     tracker.track_external(model, optimizer)
     # The tracker keeps the snapshot at the total's peak only; the activations' own high point can come

@@ -54,6 +54,51 @@ def build_optimizer(
     raise UserError(f"optim = {name!r} is not known")
 
 
+def _zero_fresh_optimizers() -> tuple[type, ...]:
+    from transformers.optimization import Adafactor
+
+    types: list[type] = [torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, Adafactor]
+    try:
+        from lion_pytorch import Lion
+
+        types.append(Lion)
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+def create_fresh_state(model: nn.Module, optimizer: Optimizer) -> bool:
+    """Create the optimizer's state as its first step would find it, without changing a weight; False where unknown.
+
+    The memory probe needs the state alive to see the steady-state peak of a step, which is what lets the
+    trainer track its own first step instead of running the first window twice more. One step at lr 0 over
+    zero gradients allocates the state and moves no weight (weight decay is scaled by lr too); the state is
+    then zeroed, step counts included, which is exactly the lazily created fresh state of the optimizers
+    listed here (moments, factored second moments, momentum buffers, Lion's moment). An optimizer whose
+    fresh state is not zeros (bitsandbytes' quantization maps) returns False and is probed the old way.
+    """
+    if type(optimizer) not in _zero_fresh_optimizers():
+        return False
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for param in group["params"]:
+            param.grad = torch.zeros_like(param)
+    try:
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                value.zero_()
+            elif isinstance(value, (int, float)):
+                state[key] = type(value)(0)
+    return True
+
+
 def build_scheduler(
     name: LrSchedule, optimizer: Optimizer, lr: float, total_steps: int, warmup_steps: int
 ) -> LRScheduler | torch.optim.lr_scheduler.ReduceLROnPlateau:

@@ -24,8 +24,8 @@ from pipelines.errors import UserError
 from pipelines.params import Params
 from pipelines.runtime import ResolvedPrecision, apply_tf32, resolve_pad_multiple, resolve_tf32
 from pipelines.train.checkpoint import LoopState, find_resumable, restore, save_checkpoint
-from pipelines.train.memory import MemoryAtPeak, gradient_bytes, restored_after, track_training_peak
-from pipelines.train.optim import build_optimizer, build_scheduler
+from pipelines.train.memory import MemoryAtPeak, gradient_bytes, restored_after, track_step, track_training_peak
+from pipelines.train.optim import build_optimizer, build_scheduler, create_fresh_state
 from pipelines.train.out_of_memory import OUT_OF_MEMORY, recover_from_out_of_memory
 from pipelines.train.parallel import gather_full_weights, replicate, shard, uses_fsdp
 from pipelines.train.results import all_reduce, final_metrics, reduce_final_metrics, world
@@ -125,8 +125,15 @@ class Trainer:
         return metrics, self.state, notes
 
     def start(self, setup_start: float) -> None:
-        """Measure memory on the first window, resume from a checkpoint, wrap the model, start the clocks."""
-        memory = self.measure_memory()
+        """Measure memory on the first window, resume from a checkpoint, wrap the model, start the clocks.
+
+        The memory probe is the warm-up step itself, tracked, once the optimizer's fresh state exists (so the
+        step is the steady state): no window runs twice. Where that state cannot be made ahead (an optimizer
+        whose fresh state is not zeros) or the step is compiled or distributed, the first window is probed
+        on its own beforehand and the weights put back."""
+        single = not self.params.compile and self.world_size == 1
+        self.track_warmup = single and create_fresh_state(self.model, self.optimizer)
+        memory = None if self.track_warmup else self.measure_memory()
         self.state = LoopState()
         if self.checkpoint_dir is not None:
             payload, message = find_resumable(self.checkpoint_dir, self.params)
@@ -201,17 +208,26 @@ class Trainer:
         region = timed(self.device, self.clocks, "warmup_time_s") if warmup else nullcontext()
         if not warmup:
             self.resume_training()
+        outcome: list[Any] = []
+
+        def run(meter: object) -> None:
+            window_loss, counts = accumulate_window(self.forward_model, loader, window, self.precision, self.device,
+                                                    self.scaler, meter, divisor, self.task)  # fmt: skip
+            if warmup:
+                self.state.peak_grad_bytes = gradient_bytes(self.model)
+            skipped = optimizer_step(self.model, self.optimizer, self.scaler, self.params.max_grad_norm,
+                                     self.precision)  # fmt: skip
+            outcome.extend((window_loss, counts, skipped, warmup))
+
         try:
             with region:
-                window_loss, counts = accumulate_window(self.forward_model, loader, window, self.precision,
-                                                        self.device, self.scaler, None, divisor, self.task)  # fmt: skip
-                if warmup:
-                    self.state.peak_grad_bytes = gradient_bytes(self.model)
-                skipped = optimizer_step(self.model, self.optimizer, self.scaler, self.params.max_grad_norm,
-                                         self.precision)  # fmt: skip
+                if warmup and self.track_warmup:  # the probe: this step, under the tracker (see `start`)
+                    self.state.memory = track_step(self.model, self.optimizer, self.device, run).as_metrics()
+                else:
+                    run(None)
         except OUT_OF_MEMORY:
             return None
-        return window_loss, counts, skipped, warmup
+        return tuple(outcome)
 
     def after_step(
         self, epoch: int, window_loss: torch.Tensor, counts: Any, skipped: torch.Tensor, warmup: bool

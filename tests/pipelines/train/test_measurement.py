@@ -76,7 +76,7 @@ def test_the_first_step_is_the_warmup_and_not_in_train_time(default_params, monk
 
     def slow_first_real_step(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 3:  # the probe's two steps come first, then the run's first (warm-up) step
+        if len(calls) == 1:  # the run's first (warm-up) step, which is also the memory probe
             time.sleep(1.0)
         return real_step(*args, **kwargs)
 
@@ -169,8 +169,8 @@ def test_a_nonfinite_window_is_skipped_not_applied(default_params, monkeypatch, 
         lambda model, batch: model(batch["input_ids"], batch["attention_mask"]),
     )
     inner = tiny_model()
-    # Calls 1-2 are the memory probe; 3 is step 1. Steps 4 and 5 (calls 6, 7) see NaN logits.
-    wrapped = NaNOnCalls(inner, bad_calls={6, 7})
+    # Call 1 is step 1 (the warm-up, tracked as the memory probe). Steps 4 and 5 (calls 4, 5) see NaN logits.
+    wrapped = NaNOnCalls(inner, bad_calls={4, 5})
     weights = {}
 
     def snapshot(step, _point):
