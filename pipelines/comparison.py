@@ -40,6 +40,11 @@ class Column:
     interval: bool = False  # the metric has `<metric>_ci_low` / `_ci_high` (a 95% interval)
     versus: str | None = None  # also print the error in % against this metric of the same run (prediction)
 
+    @property
+    def axis_label(self) -> str:
+        """How a chart names a test metric: "Test accuracy (%)" for a share, "Test bleu" on its own scale."""
+        return f"Test {self.header.lower()}" + (" (%)" if self.scale == 100 else "")
+
 
 # Time and memory: the same for every task.
 SPEED_MEMORY_COLUMNS = (

@@ -54,7 +54,8 @@ from pipelines.train.steps import (
 )
 
 CPU = torch.device("cpu")
-_HOST_COUNTS = ("num_rows", "num_tokens")  # host-side counters of a batch, not model inputs
+# Counters the plan does not need on its fake batches (`num_positions` stays: it scales the FLOPs).
+_HOST_COUNTS = ("num_rows", "num_tokens")
 
 
 class PlanUnavailable(Exception):
@@ -233,8 +234,11 @@ def plan_memory(
         {k: v for k, v in batch.items() if k not in _HOST_COUNTS}
         for batch in make_loader(train, window, in_process, pad_id, CPU, resolve_pad_multiple(params, device), task)
     ]
-    all_positions = sum(int(b["input_ids"].numel()) for b in batches)
+    all_positions = sum(int(b["num_positions"]) for b in batches)
     batches = peak_micro_batches(batches)
+    # The planned micro-batches stand for the whole window: FLOPs scale with its positions (read here: under
+    # fake mode, reading a tensor's value is a data-dependent op).
+    scale = all_positions / sum(int(b["num_positions"]) for b in batches)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         torch.manual_seed(params.seed)
@@ -262,8 +266,6 @@ def plan_memory(
         dropout = fast_dropout(model) if params.fast_dropout and not params.compile else nullcontext()
         with dropout:
             peak = track_training_peak(model, optimizer, CPU, step)
-            # The planned micro-batches stand for the whole window: FLOPs scale with its positions.
-            scale = all_positions / sum(int(b["input_ids"].numel()) for b in batches)
             step_flops, model_flops = _step_and_model_flops(step, model, params.grad_checkpointing, scale)
         state = [v for kept in optimizer.state.values() for v in kept.values() if isinstance(v, torch.Tensor)]
         state = [v for v in state if v.numel() > 1]  # as the trial counts: moments and factors, not scalar steps

@@ -54,7 +54,7 @@ def plot_comparison(rows: list[TrialRow], path: Path) -> None:
     panels = (
         ("Train time (s)", "train_time_s", 1.0),
         ("Peak train memory (MB)", "peak_train_memory_bytes", 1 / MB),
-        (f"Test {quality.header.lower()} (%)", quality.metric, 100.0),
+        (quality.axis_label, quality.metric, quality.scale),  # BLEU is on its own 0-100 scale, a share is not
     )
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 0.6 * len(names) + 2.2))
     colors = plt.cm.tab10.colors
@@ -124,7 +124,7 @@ def plot_tradeoff(rows: list[TrialRow], path: Path) -> None:
     finished = [r for r in rows if r.status == "FINISHED" and quality.metric in r.metrics]
     fig, ax = plt.subplots(figsize=(7, 4.6))
     times = [r.metrics.get("train_time_s", 0.0) for r in finished]
-    accuracy = [100 * r.metrics[quality.metric] for r in finished]
+    accuracy = [quality.scale * r.metrics[quality.metric] for r in finished]
     memory = [r.metrics.get("peak_train_memory_bytes", 0.0) / MB for r in finished]
     largest = max(memory, default=1.0) or 1.0
     colors = plt.cm.tab10.colors
@@ -143,7 +143,7 @@ def plot_tradeoff(rows: list[TrialRow], path: Path) -> None:
     if len(front) > 1:
         ax.plot([times[i] for i in front], [accuracy[i] for i in front], "k--", linewidth=1, label="Pareto front")
     ax.set_xlabel("Train time (s)")
-    ax.set_ylabel(f"Test {quality.header.lower()} (%)")
+    ax.set_ylabel(quality.axis_label)
     ax.set_title(f"Time vs {quality.header.lower()} (bubble area: peak train memory)")
     ax.grid(alpha=0.3)
     ax.margins(0.15)

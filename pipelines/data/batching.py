@@ -201,10 +201,15 @@ class PadCollator:
             "row_index": torch.from_numpy(idx.astype(np.int64)),
             "num_rows": torch.tensor(len(idx)),  # examples (a packed row holds several)
             "num_tokens": torch.tensor(int(lengths.sum())),
+            "num_positions": torch.tensor(ids.size),  # tokens plus padding, over every input the model reads
         }
         if self.labels is not None:  # a classifier's label per row (a language model's labels are its tokens)
             batch["labels"] = torch.from_numpy(self.labels[idx].astype(np.int64))
         return batch
+
+
+# Host-side counters of a batch (what it holds, for the clocks and padding figures), not model inputs.
+HOST_COUNTS = ("row_index", "num_rows", "num_tokens", "num_positions")
 
 
 def padding_fraction(lengths: np.ndarray, batches: list[list[int]], width_of: Callable[[int], int]) -> float:

@@ -75,6 +75,8 @@ class Seq2SeqCollator(PadCollator):
             "row_index": torch.from_numpy(idx.astype(np.int64)),
             "num_rows": torch.tensor(len(idx)),
             "num_tokens": torch.tensor(int((sources + targets).sum())),
+            # Encoder and decoder positions, as num_tokens counts source and target tokens: padding in [0, 1].
+            "num_positions": torch.tensor(source_ids.size + labels.size),
         }
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from pipelines.data.batching import HOST_COUNTS
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.params import Params
 from pipelines.runtime import ResolvedPrecision
@@ -95,4 +96,4 @@ def _probe_inputs(train: TokenizedSplit, pad_id: int, task: Task, params: Params
     order = train.lengths.argsort()
     picks = sorted({int(order[0]), int(order[len(order) // 2]), int(order[-1])})
     batch = task.collator(train, pad_id, fixed_length=None, pad_to_multiple_of=None, params=params)(picks)
-    return {k: v for k, v in batch.items() if k not in ("labels", "row_index", "num_rows", "num_tokens")}
+    return {k: v for k, v in batch.items() if k != "labels" and k not in HOST_COUNTS}

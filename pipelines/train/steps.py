@@ -176,7 +176,7 @@ def accumulate_window(
         # Counted on the host copy: no device sync.
         counts.rows += int(batch["num_rows"])
         counts.tokens += int(batch["num_tokens"])
-        counts.positions += batch["input_ids"].numel()
+        counts.positions += int(batch["num_positions"])
         batch = to_device(batch, device)
         # Under DDP, gradients are all-reduced once per window, on its last micro-batch only.
         last = index == len(window) - 1

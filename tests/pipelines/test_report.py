@@ -234,3 +234,55 @@ def test_a_cuda_memory_peak_is_not_treated_as_exact(tmp_path: Path):
 
     assert noise_mark(peak, group("lean", "cpu", 1e9), group("vanilla", "cpu", 2e9)) == "*"  # exact bytes
     assert noise_mark(peak, group("lean", "cuda:0", 1e9), group("vanilla", "cuda:0", 2e9)) == ""  # one run: unknown
+
+
+TASK_RUNS = {  # one trial per task, with its headline quality on the scale the task logs it
+    "classification": ({"test_accuracy": 0.81, "test_macro_f1": 0.8}, "Test accuracy (%)", 81.0),
+    "causal_lm": (
+        {"test_exact_match": 0.42, "test_token_accuracy": 0.7, "test_perplexity": 3.1},
+        "Test exact match (%)",
+        42.0,
+    ),  # fmt: skip
+    "seq2seq": (
+        {"test_bleu": 4.71, "test_chrf": 20.5, "test_exact_match": 0.02, "test_perplexity": 9.0},
+        "Test bleu",
+        4.71,
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("task", list(TASK_RUNS))
+def test_each_tasks_report_renders_its_own_numbers_on_their_own_scale(tmp_path: Path, monkeypatch, task):
+    from matplotlib.figure import Figure
+
+    quality, axis_label, shown = TASK_RUNS[task]
+    client, experiment_id = open_experiment(
+        TrackingParams(uri="sqlite:///r.db", experiment="report", registered_model=None), tmp_path
+    )
+    parent = start_run(client, experiment_id, "train", {})
+    run_id = start_run(client, experiment_id, "vanilla", {"variant": "vanilla", "task": task}, parent_run_id=parent)
+    logger = RunLogger(client, run_id)
+    logger.log_dict({"train_loss": 1.0}, step=1)
+    logger.log_dict({"train_time_s": 12.0, "peak_train_memory_bytes": 2e8, "padding_fraction": 0.125, **quality})
+    logger.close()
+    drawn: dict[str, dict[str, list[float]]] = {}
+    save = Figure.savefig
+
+    def record(fig, path, *args, **kwargs):  # what each chart draws: bar lengths and points, by axis label
+        for ax in fig.axes:
+            bars = [patch.get_width() for patch in ax.patches if hasattr(patch, "get_width")]
+            points = [float(y) for collection in ax.collections for _, y in collection.get_offsets()]
+            for label in (ax.get_xlabel(), ax.get_ylabel()):
+                drawn.setdefault(label, {"bars": [], "points": []})
+                drawn[label]["bars"] += bars if label == ax.get_xlabel() else []
+                drawn[label]["points"] += points if label == ax.get_ylabel() else []
+        return save(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    out = tmp_path / "reports"
+    out.mkdir()
+    markdown = build_report(client, experiment_id, parent, out)
+    assert drawn[axis_label]["bars"] == [pytest.approx(shown)]  # the comparison chart's quality panel
+    assert drawn[axis_label]["points"] == [pytest.approx(shown)]  # the time-vs-quality chart
+    row = next(line for line in markdown.splitlines() if line.startswith("| vanilla |"))
+    assert "12.5%" in row  # padding: a share of the positions, in [0, 100]%

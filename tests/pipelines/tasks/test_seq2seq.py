@@ -117,6 +117,7 @@ def test_seq2seq_trains_on_the_generated_corpus_and_scores_its_translations(defa
     model = TASK.build_model(params, tokenizer, Path("."), Path("."))
     result = train_model(model, train, test, params, pad_id=tokenizer.pad_token_id, device=CPU, precision="fp32")
     assert result.history[-1]["loss"] < result.history[0]["loss"]
+    assert 0.0 <= result.metrics["padding_fraction"] < 1.0  # of encoder and decoder positions (was -0.96)
     scored = TASK.evaluate(model, tokenizer, test, Path("."), params, CPU, "fp32")
     for name in ("test_bleu", "test_chrf", "test_exact_match", "test_perplexity", "test_token_accuracy"):
         assert np.isfinite(scored.metrics[name]), name
