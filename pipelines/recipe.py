@@ -27,6 +27,7 @@ from pipelines.data.tokenization import LABELS_FILE, TOKENIZER_DIR, TokenizedSpl
 from pipelines.errors import warn_user
 from pipelines.memory_plan import MemoryPlan
 from pipelines.model import set_attention
+from pipelines.model_card import pretrained_base, record_adapter_base, set_model_max_length, write_model_card
 from pipelines.params import Params
 from pipelines.preflight import Preflight, plan_before_training, plan_or_none, trial_planner
 from pipelines.progress import TrialProgress
@@ -287,6 +288,7 @@ def evaluate_and_save(trial: Trial, setup: Setup, result: TrainResult) -> dict[s
     test_eval_time = time.perf_counter() - eval_start
     save_start = time.perf_counter()
     save_trained(setup.model, out, params)
+    set_model_max_length(tokenizer, setup.model, params)
     tokenizer.save_pretrained(out)
     if (tokenized / LABELS_FILE).is_file():
         shutil.copyfile(tokenized / LABELS_FILE, out / LABELS_FILE)
@@ -298,6 +300,11 @@ def evaluate_and_save(trial: Trial, setup: Setup, result: TrainResult) -> dict[s
         per_position = setup.plan.model_flops_per_position()
         metrics |= flops_metrics(per_position, metrics, setup.device, setup.precision, tf32,
                                  params.distributed.num_workers)  # fmt: skip
+    base = pretrained_base(params, Path(trial.context.root))
+    record_adapter_base(out, base)
+    quality = {q.metric: metrics[q.metric] for q in setup.task.quality if q.metric in metrics}
+    write_model_card(out, params, setup.task.peft_task_type, base, TokenizedSplit.load(tokenized / "train").digest(),
+                     quality)  # fmt: skip
     metrics["save_time_s"] = time.perf_counter() - save_start
     if trial.log_model is not None:  # the folder (weights, tokenizer, labels, params) as the run's MLflow model
         log_start = time.perf_counter()

@@ -9,6 +9,7 @@ per-row Python objects.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections import Counter
@@ -181,6 +182,18 @@ class TokenizedSplit:
 
     def __len__(self) -> int:
         return len(self.lengths)
+
+    def digest(self, chars: int = 12) -> str:
+        """A content hash of the split (its arrays, with dtypes and shapes): equal exactly for equal tokens."""
+        sha = hashlib.sha256()
+        for name in ("input_ids", "lengths", "labels", "prompt_lengths"):
+            array = getattr(self, name)
+            if array is None:
+                continue
+            array = np.ascontiguousarray(array)
+            sha.update(f"{name}:{array.dtype.str}:{array.shape}".encode())
+            sha.update(memoryview(array).cast("B"))
+        return sha.hexdigest()[:chars]
 
     def save(self, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)

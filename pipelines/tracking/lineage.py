@@ -9,7 +9,6 @@ is `data.source` as declared: the built-in generator, a local file or folder, or
 
 from __future__ import annotations
 
-import hashlib
 import time
 import warnings
 from pathlib import Path
@@ -22,19 +21,6 @@ from pipelines.params import DataParams
 SPLITS = ("train", "validation", "test")
 DIGEST_CHARS = 12
 RETRIES = 3
-
-
-def split_digest(split: TokenizedSplit) -> str:
-    """A content hash of the tokenized split (all its arrays, with their dtypes and shapes)."""
-    sha = hashlib.sha256()
-    for name in ("input_ids", "lengths", "labels", "prompt_lengths"):
-        array = getattr(split, name)
-        if array is None:
-            continue
-        array = np.ascontiguousarray(array)
-        sha.update(f"{name}:{array.dtype.str}:{array.shape}".encode())
-        sha.update(memoryview(array).cast("B"))
-    return sha.hexdigest()[:DIGEST_CHARS]
 
 
 def dataset_source(data: DataParams, root: Path) -> object:
@@ -67,7 +53,7 @@ def log_datasets(client: object, run_id: str, data: DataParams, root: Path, toke
         targets = split.labels if split.labels is not None else split.prompt_lengths
         dataset = mlflow.data.from_numpy(
             np.asarray(split.lengths), source=source, targets=None if targets is None else np.asarray(targets),
-            name=name, digest=split_digest(split),
+            name=name, digest=split.digest(DIGEST_CHARS),
         )  # fmt: skip
         inputs.append(DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", name)]))
     # Concurrent trials insert the same datasets (the store keys them by experiment, name and digest) at the same

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.errors import UserError
+from pipelines.model_card import follow_move
 from pipelines.params import (
     ChoiceDim,
     GridDim,
@@ -208,6 +209,7 @@ def run_tuning(
         summary = _summarize(results, params, parent_run_id, experiment_id, tracking_uri)
         best = summary["best"]
         shutil.move(str(staging / best["trial_id"]), str(out_dir / BEST_DIR))
+        follow_move(out_dir / BEST_DIR)
         shutil.rmtree(staging, ignore_errors=True)
         client.set_tag(parent_run_id, "best_run_id", best["mlflow_run_id"])
         summary["registered_model"] = register_best_model(client, params, best["mlflow_run_id"], tracking_uri)
