@@ -232,9 +232,10 @@ class TrackingParams(StrictModel):
     registered_model: str | None = Field(
         min_length=1,
         description="Model Registry name under which each train run registers its best trial's model as a new "
-        "version; auto: the experiment's name; null: register nothing.",
+        "version (tagged with its task); auto: the experiment's name and the task (finetune-classification), so "
+        "`models:/<name>/latest` always takes the input its task serves; null: register nothing.",
     )
 
-    def registered_model_name(self) -> str | None:
-        """The registered model's name (auto: the experiment's), or None to skip registration."""
-        return self.experiment if self.registered_model == "auto" else self.registered_model
+    def registered_model_name(self, task: str) -> str | None:
+        """The registered model's name (auto: `<experiment>-<task>`), or None to skip registration."""
+        return f"{self.experiment}-{task}" if self.registered_model == "auto" else self.registered_model

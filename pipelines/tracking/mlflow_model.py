@@ -37,6 +37,24 @@ def predict_texts(model: Any, tokenizer: Any, params: Params, labels: list[str] 
         return get_task(params.task).predict_texts(model, tokenizer, params, labels, texts)
 
 
+# What the served model imports (the pipeline's loader and the task's prediction), not the training stack.
+SERVING_PACKAGES = ("torch", "transformers", "tokenizers", "peft", "safetensors", "pydantic", "pyyaml", "numpy",
+                    "pandas", "scikit-learn", "sacrebleu", "gguf")  # fmt: skip
+
+
+def serving_requirements() -> list[str]:
+    """`SERVING_PACKAGES` pinned to the installed versions (a local build label such as torch's +cpu dropped)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    pinned = []
+    for name in SERVING_PACKAGES:
+        try:
+            pinned.append(f"{name}=={version(name).split('+')[0]}")
+        except PackageNotFoundError:
+            pinned.append(name)
+    return pinned
+
+
 def save_trial_model(folder: Path, params: Params, examples: list[str], dst: Path) -> Path:
     """Write the trial folder as a pyfunc model into `dst` (local: no store involved), with its signature and
     an input example; returns the model's folder."""
@@ -51,8 +69,11 @@ def save_trial_model(folder: Path, params: Params, examples: list[str], dst: Pat
         artifacts={"model_dir": str(folder)},
         signature=infer_signature(example, pd.Series(["answer"] * len(example))),
         input_example=example,
-        # The package this pipeline runs in; inferring requirements would load and trace the model.
-        pip_requirements=["pipelines", "torch", "transformers", "peft"],
+        # The code travels with the model (this package, under the model's code/): "pipelines" on the package
+        # index is an unrelated project. The requirements are what serving imports, pinned to the versions that
+        # trained it (inferring them would load and trace the model).
+        code_paths=[str(Path(__file__).resolve().parents[1])],
+        pip_requirements=serving_requirements(),
     )
     return local
 
@@ -96,12 +117,13 @@ def log_trial_model(
                 delay = min(2 * delay, 10.0)
 
 
-def register_best(tracking_uri: str, model_uri: str, name: str) -> str:
-    """Register `model_uri` as a new version of the registered model `name` (created if needed); its version."""
+def register_best(tracking_uri: str, model_uri: str, name: str, task: str) -> str:
+    """Register `model_uri` as a new version of the registered model `name` (created if needed), tagged with its
+    task; its version."""
     import mlflow
 
     mlflow.set_tracking_uri(tracking_uri)
-    return str(mlflow.register_model(model_uri, name).version)
+    return str(mlflow.register_model(model_uri, name, tags={"task": task}).version)
 
 
 def input_column(task: str) -> str:

@@ -1,7 +1,8 @@
 """The pyfunc model MLflow loads from code (models-from-code): a trial folder that predicts from raw text.
 
-MLflow copies this file into every logged model and runs it when the model is loaded; it needs the
-`pipelines` package installed. See `pipelines.tracking.mlflow_model` for why a pyfunc over the folder.
+MLflow copies this file into every logged model and runs it when the model is loaded; the `pipelines`
+package travels with it (the model's `code/`, on the path when MLflow loads it). See
+`pipelines.tracking.mlflow_model` for why a pyfunc over the folder.
 """
 
 from __future__ import annotations

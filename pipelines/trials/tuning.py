@@ -260,11 +260,11 @@ def register_best_model(client: Any, params: Params, run_id: str, tracking_uri: 
     """Register the best trial's logged model as a new version (`tracking.registered_model`); None when off."""
     from pipelines.tracking.mlflow_model import MODEL_URI_TAG, register_best
 
-    name = params.tracking.registered_model_name()
+    name = params.tracking.registered_model_name(params.task)
     model_uri = client.get_run(run_id).data.tags.get(MODEL_URI_TAG)
     if name is None or model_uri is None:
         return None
-    version = register_best(tracking_uri, model_uri, name)
+    version = register_best(tracking_uri, model_uri, name, params.task)
     return {"name": name, "version": version, "uri": f"models:/{name}/{version}", "source": model_uri}
 
 

@@ -55,7 +55,7 @@ def output_digests(root: Path) -> dict[str, str]:
 
 
 def assert_registered_model_predicts_as_models_best(root: Path, client: MlflowClient) -> None:
-    """`models:/finetune/latest` through pyfunc and `models/best` through the pipeline's loader: the same labels."""
+    """`models:/finetune-classification/latest` through pyfunc and `models/best` through the pipeline's loader: the same labels."""
     import mlflow
     import pandas as pd
     from transformers import AutoTokenizer
@@ -73,7 +73,7 @@ def assert_registered_model_predicts_as_models_best(root: Path, client: MlflowCl
     model = load_trained_model(best, params, get_task(params.task), tokenizer).eval()
     expected = predict_texts(model, tokenizer, params, load_label_names(best), texts)
     mlflow.set_tracking_uri(client.tracking_uri)
-    registered = mlflow.pyfunc.load_model("models:/finetune/latest")
+    registered = mlflow.pyfunc.load_model("models:/finetune-classification/latest")
     assert list(registered.predict(pd.DataFrame({"text": texts}))) == expected
     assert len(set(expected)) > 1  # a model that answers, not a constant
 
@@ -159,7 +159,7 @@ def test_repro_noop_exp_run_and_bad_values(project_copy: Path):
     for trial in trials:
         assert len(trial.inputs.dataset_inputs) == 3 and all(i.dataset.digest for i in trial.inputs.dataset_inputs)
         assert [o.model_id for o in trial.outputs.model_outputs] and trial.data.tags["model_uri"].startswith("models:/")
-    versions = client.search_model_versions("name = 'finetune'")
+    versions = client.search_model_versions("name = 'finetune-classification'")
     assert sorted(int(v.version) for v in versions) == [1, 2]
     latest = max(versions, key=lambda v: int(v.version))
     assert (
@@ -172,14 +172,14 @@ def test_repro_noop_exp_run_and_bad_values(project_copy: Path):
     # A second experiment scores a registered version instead of models/best (eval.model_uri): version 1, the
     # baseline's best, gives the baseline's test accuracy. `dvc exp show` lists both experiments, each with
     # its MLflow run id and headline figures.
-    run(["dvc", "exp", "run", "-S", "eval.model_uri=models:/finetune/1"], root, timeout=600)
+    run(["dvc", "exp", "run", "-S", "eval.model_uri=models:/finetune-classification/1"], root, timeout=600)
     assert json.loads((root / "metrics/evaluate.json").read_text())["test_accuracy"] == evaluate["test_accuracy"]
     shown = experiments(json.loads(run(["dvc", "exp", "show", "--json"], root).stdout))
     both = [e for e in shown if e["params"].get("optim") == "adafactor" and "mlflow_run_id" in e["metrics"]]
     assert len(both) >= 2, shown  # the adafactor experiment and the one scoring version 1
     for entry in both:
         assert {"test_accuracy", "train_time_s", "peak_train_memory_mb"} <= set(entry["metrics"]), entry
-    assert len(client.search_model_versions("name = 'finetune'")) == 2  # evaluating registers nothing
+    assert len(client.search_model_versions("name = 'finetune-classification'")) == 2  # evaluating registers nothing
 
     # 4. Bad values fail fast, before training, naming key, value and allowed values; outputs untouched.
     run(["dvc", "exp", "apply", "--help"], root)  # (warm the CLI; keeps the timings below about our stage)

@@ -75,3 +75,20 @@ def test_a_classifier_folder_runs_in_a_pipeline_and_truncates_at_the_models_maxi
     answer = classify(" ".join(["word"] * 700))  # longer than the model's positions
     assert answer[0]["label"] and 0.0 <= answer[0]["score"] <= 1.0
     assert "pipeline_tag: text-classification" in (folder / "README.md").read_text()
+
+
+def test_the_logged_model_carries_its_code_and_pins_what_serving_imports(default_params, tmp_path):
+    import mlflow.pyfunc
+    import pandas as pd
+
+    from pipelines.tracking.mlflow_model import save_trial_model
+
+    params = small(default_params)
+    folder = train_one(params, tmp_path)
+    local = save_trial_model(folder, params, ["alpha beta gamma"], tmp_path / "logged")
+    requirements = (local / "requirements.txt").read_text().split()
+    assert "pipelines" not in [r.split("==")[0] for r in requirements]  # on the index, an unrelated project
+    assert any(r.startswith("torch==") and "+" not in r for r in requirements), requirements
+    assert (local / "code" / "pipelines" / "recipe.py").is_file()  # this package travels with the model
+    served = mlflow.pyfunc.load_model(str(local))
+    assert len(served.predict(pd.DataFrame({"text": ["alpha beta gamma", "delta"]}))) == 2
