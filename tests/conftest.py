@@ -79,6 +79,39 @@ def project_copy(tmp_path: Path) -> Path:
     return dest
 
 
+SERVER_MARKERS = ("mlflow server", "mlflow.server", "uvicorn", "huey", "gunicorn")  # an MLflow server's processes
+
+
+def _server_processes() -> dict[int, str]:
+    """This machine's MLflow-server processes (the server, uvicorn, its job runner and huey consumers) by pid."""
+    import psutil
+
+    found = {}
+    for process in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            line = " ".join(process.info["cmdline"] or [])
+        except (psutil.Error, TypeError):
+            continue
+        if process.info["status"] != psutil.STATUS_ZOMBIE and any(m in line for m in SERVER_MARKERS):
+            found[process.info["pid"]] = line[:200]
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_server_outlives_its_test():
+    """Fail a test that leaves an MLflow server (or one of its workers) running: ~2 GB a leak, once seen."""
+    import time
+
+    before = _server_processes()
+    yield
+    deadline = time.monotonic() + 10  # SIGKILLed processes take a moment to leave the table
+    while (left := {pid: line for pid, line in _server_processes().items() if pid not in before}) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.5)
+    assert not left, f"processes this test started outlived it: {left}"
+
+
 def kill_session(session_id: int, timeout: float = 30) -> None:
     """SIGKILL every process of session `session_id`, one a test started with `start_new_session=True`.
 
