@@ -39,7 +39,9 @@ def main() -> None:
     # DVC declares the plots for every task; a task without them (causal_lm) writes empty ones.
     atomic_write_json(CONFUSION, result.plots.get("confusion", []))
     atomic_write_json(PER_CLASS, result.plots.get("per_class", []))
-    atomic_write_json(METRICS, result.metrics)
+    # The headline for `dvc exp show` / `dvc metrics diff`; per-class figures (dotted names) go to MLflow and
+    # plots/per_class.json, not into every experiment's columns.
+    atomic_write_json(METRICS, {k: v for k, v in result.metrics.items() if "." not in k})
     log_evaluation(client, run_id, result.metrics, [METRICS, PREDICTIONS])
 
 
