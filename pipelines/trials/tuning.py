@@ -116,7 +116,7 @@ def param_space(params: Params) -> dict[str, Any]:
 
 
 def trial_resources(params: Params, cpus: int) -> dict[str, float]:
-    """CPUs and GPUs per trial: as declared, else an even share of the cores and one GPU when CUDA is present.
+    """CPUs and GPUs per trial: as declared, else an even share of the cores and one GPU when it trains on CUDA.
 
     A distributed trial is only its workers' driver: it reserves one CPU, and each of its
     workers reserves `worker_threads` CPUs (and a GPU with distributed.use_gpu).
@@ -127,7 +127,8 @@ def trial_resources(params: Params, cpus: int) -> dict[str, float]:
         return {"cpu": 1, "gpu": 0}
     declared = params.tune.resources_per_trial
     cpu = declared.cpu or max(1, cpus // params.tune.max_concurrent_trials)
-    gpu = declared.gpu if declared.gpu is not None else (1.0 if torch.cuda.is_available() else 0.0)
+    trains_on_cuda = params.device != "cpu" and torch.cuda.is_available()  # device: cpu holds no GPU back
+    gpu = declared.gpu if declared.gpu is not None else (1.0 if trains_on_cuda else 0.0)
     return {"cpu": cpu, "gpu": gpu}
 
 

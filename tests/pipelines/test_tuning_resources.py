@@ -38,3 +38,13 @@ def test_a_single_trial_silences_tunes_console_and_restores_the_engine_choice(mo
     with tune_console(0):
         assert os.environ["RAY_AIR_NEW_OUTPUT"] == "0"
     assert os.environ["RAY_AIR_NEW_OUTPUT"] == "1"
+
+
+def test_a_cpu_trial_reserves_no_gpu_even_where_cuda_is_present(default_params, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert trial_resources(tiny_params(default_params, device="cpu"), 8)["gpu"] == 0.0
+    assert trial_resources(tiny_params(default_params, device="auto"), 8)["gpu"] == 1.0
+    declared = tiny_params(default_params, **{"device": "cpu", "tune.resources_per_trial.gpu": 0.5})
+    assert trial_resources(declared, 8)["gpu"] == 0.5  # what the user declared stands
