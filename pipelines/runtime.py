@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 
 from pipelines.errors import UserError
+from pipelines.library_check import check_library_internals
 from pipelines.params import Params, ray_address
 
 ResolvedPrecision = Literal["fp32", "fp16", "bf16"]
@@ -53,7 +54,9 @@ def resolve_precision(params: Params, device: torch.device) -> ResolvedPrecision
 
 
 def check_runtime(params: Params) -> None:
-    """Reject choices this machine cannot run, before any data is read or model built."""
+    """Reject choices this machine cannot run (and libraries without the internals we use), before any data is read
+    or model built."""
+    check_library_internals()
     device = resolve_device(params)
     resolve_precision(params, device)
     if params.precision == "fp16" and device.type == "cpu":

@@ -55,7 +55,7 @@ def output_digests(root: Path) -> dict[str, str]:
 
 
 def assert_registered_model_predicts_as_models_best(root: Path, client: MlflowClient) -> None:
-    """`models:/finetune-classification/latest` through pyfunc and `models/best` through the pipeline's loader: the same labels."""
+    """`models:/finetune-classification/latest` through pyfunc, `models/best` through our loader: the same labels."""
     import mlflow
     import pandas as pd
     from transformers import AutoTokenizer
