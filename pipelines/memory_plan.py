@@ -34,10 +34,12 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 
+from pipelines.adapters import apply_adapter
 from pipelines.data.loader import make_loader
 from pipelines.data.tokenization import TOKENIZER_DIR, TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.params import Params, apply_overrides
+from pipelines.qlora_plan import as_qlora
 from pipelines.runtime import ResolvedPrecision, resolve_pad_multiple
 from pipelines.tasks.base import Task
 from pipelines.train.fast_dropout import fast_dropout
@@ -168,6 +170,19 @@ def _step_and_model_flops(
     return int(hardware.get_total_flops() * scale), int(model_work.get_total_flops() * scale)
 
 
+def _plan_qlora(
+    params: Params, task: Task, train: TokenizedSplit, build_base: Callable[[], nn.Module], pad_id: int,
+    precision: ResolvedPrecision, device: torch.device,
+) -> MemoryPlan:  # fmt: skip
+    """QLoRA's plan: the same model with LoRA on the unquantized base, its quantized weights then at NF4 size."""
+    as_lora = params.model_copy(update={"adapter": params.adapter.model_copy(update={"type": "lora"})})
+    plan = plan_memory(as_lora, task, train, build_base, lambda m: apply_adapter(m, as_lora.adapter, task, as_lora),
+                       pad_id, precision, device)  # fmt: skip
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        base = build_base()
+    return as_qlora(plan, base, compute_bytes=2)  # bf16 compute (fp16 with precision: fp16): 2 bytes either way
+
+
 def _all_fake(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
     """Swap the real tensors `adapt` created (LoRA weights) for fake ones: mixing both corrupts the heap at exit."""
     for module in model.modules():
@@ -224,7 +239,11 @@ def plan_memory(
     The batches are padded as the trial on `device` pads them (`data.pad_to_multiple_of` resolved there).
 
     `build_base` makes the model from its config under FakeTensorMode (no weight allocated or read), `adapt`
-    applies the adapter outside it (peft builds its small weights for real); see `_unavailable_on_failure`."""
+    applies the adapter outside it (peft builds its small weights for real); see `_unavailable_on_failure`.
+    QLoRA is planned as LoRA on the unquantized base, then adjusted by rule (`pipelines.qlora_plan`): bitsandbytes
+    needs CUDA and real weights, and the plan must answer on any machine."""
+    if params.adapter.type == "qlora":
+        return _plan_qlora(params, task, train, build_base, pad_id, precision, device)
     start = time.perf_counter()
     sampler = training_sampler(train, params)
     window = plan_windows(sampler.batches(0), params.grad_accum_steps)[0]

@@ -187,3 +187,43 @@ def test_the_plan_pads_as_the_trial_does(default_params):
     measured = train_model(build(), train, None, params, pad_id=0, device=CPU, precision="fp32", task=task).metrics
     assert plan.batch_width % 64 == 0 and plan.peak > unpadded.peak
     assert abs(plan.peak / measured["peak_train_memory_bytes"] - 1) <= 0.05, (plan.peak, measured)
+
+
+def test_qlora_is_planned_without_cuda_as_lora_with_nf4_weights(default_params):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pipelines.qlora_plan import nf4_bytes, quantized_linears
+
+    assert nf4_bytes(64 * 256 * 2) == 16384 + 512 + 8  # 4 bits each, an 8-bit absmax per 64, fp32 per 256 of those
+    lora_params, task, train, build = llama_case(default_params, {"adapter.type": "lora"})
+    qlora_params = tiny_params(lora_params, **{"adapter.type": "qlora"})
+
+    def adapt(model):  # what the trial would do: quantize with bitsandbytes, which needs CUDA
+        return apply_adapter(model, qlora_params.adapter, task, qlora_params)
+
+    lora = plan_memory(lora_params, task, train, build, lambda m: apply_adapter(m, lora_params.adapter, task), 0,
+                       "fp32")  # fmt: skip
+    qlora = plan_memory(qlora_params, task, train, build, adapt, 0, "fp32")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        layers = quantized_linears(build())
+    names = {type(layer).__name__ for layer in layers}
+    assert names == {"Linear"} and len(layers) > 0
+    full = sum(4 * layer.weight.numel() for layer in layers)
+    packed = sum(nf4_bytes(layer.weight.numel()) for layer in layers)
+    assert qlora.parameters == lora.parameters - full + packed
+    assert qlora.peak == lora.peak - (full - packed) + 2 * max(layer.weight.numel() for layer in layers)
+    assert (qlora.gradients, qlora.optimizer_state) == (lora.gradients, lora.optimizer_state)  # LoRA's own
+
+
+def test_a_qlora_trial_on_a_cpu_is_planned_and_stops_only_where_cuda_is_needed(default_params, tmp_path, monkeypatch):
+    import pipelines.recipe as recipe
+    from tests.pipelines.test_saved_folders import small, train_one
+
+    plans = []
+    real = recipe.plan_before_training
+    monkeypatch.setattr(recipe, "plan_before_training", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
+    params = small(default_params, task="causal_lm", **{"adapter.type": "qlora"})
+    with pytest.raises(Exception) as stopped:  # quantizing the base: bitsandbytes or CUDA is missing here
+        train_one(params, tmp_path)
+    assert "cuda" in str(stopped.value).lower() or "bitsandbytes" in str(stopped.value).lower(), stopped.value
+    assert plans and plans[0].plan is not None and plans[0].unavailable is None  # planned before that point

@@ -1,0 +1,52 @@
+"""QLoRA's memory, planned without bitsandbytes (which needs CUDA and real weights): LoRA's plan, adjusted by rule.
+
+The plan runs the step of the same LoRA model on fake tensors with the base unquantized, then swaps the bytes of
+the weights bitsandbytes would quantize for their 4-bit NF4 size with double quantization (the QLoRA paper's
+layout, transformers' `BitsAndBytesConfig(load_in_4bit, nf4, double quant)`):
+- 4 bits per weight,
+- one 8-bit absmax per block of 64 weights (its fp32 constants quantized: double quantization),
+- one fp32 second-level constant per 256 of those blocks.
+Which layers: every `nn.Linear` but those transformers keeps in full precision (`get_keys_to_not_convert`: the
+output head, tied weights, the last module; and the class's `_keep_in_fp32_modules`). In the step each quantized
+layer is de-quantized to the compute dtype for its matmul, one at a time: the largest such weight is added to
+the peak as a temporary. Gradients and optimizer state are LoRA's, unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch import nn
+
+NF4_BLOCK = 64  # weights per absmax
+DOUBLE_QUANT_BLOCK = 256  # absmax values per fp32 second-level constant
+
+
+def nf4_bytes(weights: int) -> int:
+    """Bytes of `weights` weights in NF4 with double quantization."""
+    blocks = -(-weights // NF4_BLOCK)
+    return weights // 2 + weights % 2 + blocks + 4 * -(-blocks // DOUBLE_QUANT_BLOCK)
+
+
+def quantized_linears(model: nn.Module) -> list[nn.Linear]:
+    """The linear layers bitsandbytes' 4-bit loading would quantize (as transformers selects them)."""
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    kept = set(get_keys_to_not_convert(model)) | set(getattr(model, "_keep_in_fp32_modules", None) or [])
+    return [
+        module
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+        and not any(name == key or name.startswith(key + ".") or key in name.split(".") for key in kept)  # fmt: skip
+    ]
+
+
+def as_qlora(plan: object, base: nn.Module, compute_bytes: int) -> object:
+    """`plan` (of the same model with LoRA) with the quantized weights at their NF4 size and one de-quantized
+    weight (`compute_bytes` per element: 2 for bf16/fp16) as a temporary at the peak."""
+    layers = quantized_linears(base)
+    full = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers)
+    packed = sum(nf4_bytes(layer.weight.numel()) for layer in layers)
+    temporary = max((layer.weight.numel() * compute_bytes for layer in layers), default=0)
+    saved = full - packed
+    return replace(plan, peak=plan.peak - saved + temporary, parameters=plan.parameters - saved)  # type: ignore[type-var]
