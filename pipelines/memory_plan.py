@@ -240,8 +240,7 @@ def plan_memory(
 
     `build_base` makes the model from its config under FakeTensorMode (no weight allocated or read), `adapt`
     applies the adapter outside it (peft builds its small weights for real); see `_unavailable_on_failure`.
-    QLoRA is planned as LoRA on the unquantized base, then adjusted by rule (`pipelines.qlora_plan`): bitsandbytes
-    needs CUDA and real weights, and the plan must answer on any machine."""
+    QLoRA: planned as LoRA, then adjusted by rule (`pipelines.qlora_plan`; bitsandbytes needs CUDA)."""
     if params.adapter.type == "qlora":
         return _plan_qlora(params, task, train, build_base, pad_id, precision, device)
     start = time.perf_counter()
