@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import TRAINING_BASE, ag_news_params, require_assets, subset
+from pipelines.noise import wilson_interval
 
 BASE = {**TRAINING_BASE, "data.pad_to_multiple_of": None, "device": "cpu"}
 FIXED = {"data.bucketing": False}
@@ -358,6 +359,14 @@ def print_tables(results: dict[str, dict[str, float]], runs: dict[str, list], ar
             cells += [f"{ratio:.2f}x", per_seed]
         ours_acc, hf_acc = 100 * results[ours]["accuracy"], 100 * results[hf]["accuracy"]
         print(f"| {label} | {' | '.join(cells)} | {ours_acc:.2f}% | {hf_acc:.2f}% |")
+    print("\nPer-run test accuracy with its 95% Wilson interval (1,520 test rows), by seed:")
+    for name, rs in runs.items():
+        print(f"- {name}: " + "; ".join(f"{42 + i}: {_with_interval(r['accuracy'])}" for i, r in enumerate(rs)))
+
+
+def _with_interval(accuracy: float, rows: int = 1520) -> str:
+    low, high = wilson_interval(round(accuracy * rows), rows)
+    return f"{100 * accuracy:.2f} [{100 * low:.1f}, {100 * high:.1f}]"
 
 
 if __name__ == "__main__":
