@@ -68,8 +68,9 @@ def test_strategy_grid_in_one_dvc_repro_reports_relative_to_vanilla(project_copy
     for name, row in trial_rows.items():
         for split in ("train", "validation", "test"):
             assert re.search(rf"{split} \([0-9a-f]{{12}}\)", row), (name, split, row)
-        assert re.search(r"\b(model|finetune v\d+) \|\s*$", row), (name, row)
-    assert sum("finetune v1" in row for row in trial_rows.values()) == 1  # the best trial, registered
+        assert re.search(r"\b(model|finetune-classification v\d+) \|\s*$", row), (name, row)
+    # The best trial, registered under the experiment's name and its task.
+    assert sum("finetune-classification v1" in row for row in trial_rows.values()) == 1
 
 
 def test_queued_experiment_lands_in_the_repository_store(project_copy: Path):
