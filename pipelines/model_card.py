@@ -17,11 +17,10 @@ from pathlib import Path
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from pipelines.adapters import ADAPTER_CONFIG, BASE_DIR
 from pipelines.model import resolve_model_name
 from pipelines.params import Params
 
-ADAPTER_CONFIG = "adapter_config.json"
-BASE_DIR = "base"  # as pipelines.adapters saves a config-built base
 # peft's task type -> the hub's pipeline tag and the peft class whose from_pretrained reloads the folder.
 _BY_PEFT_TASK = {
     "SEQ_CLS": ("text-classification", "AutoPeftModelForSequenceClassification"),
