@@ -36,7 +36,7 @@ def main() -> None:
         model_dir, run_id = model_to_evaluate(params, resolve_repo_root(), BEST_MODEL, TRIALS, Path(tmp))
         result = evaluate_saved_model(model_dir, TOKENIZED)
     atomic_write_text(PREDICTIONS, result.predictions.to_csv(index=False))
-    # DVC declares the plots for every task; a task without them (causal_lm) writes empty ones.
+    # DVC declares both plots for every task; each task fills them its own way (generation: see answer_plots).
     atomic_write_json(CONFUSION, result.plots.get("confusion", []))
     atomic_write_json(PER_CLASS, result.plots.get("per_class", []))
     # The headline for `dvc exp show` / `dvc metrics diff`; per-class figures (dotted names) go to MLflow and

@@ -23,6 +23,7 @@ from pipelines.data.tokenization import TokenizedSplit
 from pipelines.noise import wilson_interval
 from pipelines.params import Params
 from pipelines.runtime import ResolvedPrecision, autocast_context
+from pipelines.tasks.answer_plots import answer_plots
 from pipelines.tasks.base import EvaluationResult, Task
 
 # (model, batch) -> (summed fp32 loss over target tokens, their count, how many the argmax got right)
@@ -148,7 +149,7 @@ def score_generation(
             "exact_match": exact.astype(int),
         }
     )
-    return EvaluationResult(metrics, predictions)
+    return EvaluationResult(metrics, predictions, answer_plots(references, generated))
 
 
 @torch.inference_mode()

@@ -35,6 +35,7 @@ from pipelines.data.tokenization import TokenizedSplit, train_causal_word_tokeni
 from pipelines.noise import wilson_interval
 from pipelines.params import DataParams, ModelParams, Params
 from pipelines.runtime import ResolvedPrecision, autocast_context
+from pipelines.tasks.answer_plots import answer_plots
 from pipelines.tasks.base import Encoded, EvaluationResult, QualityMetric, Task
 from pipelines.tasks.causal_lm import IGNORE
 
@@ -334,4 +335,4 @@ def score_translation(
             "exact_match": exact.astype(int),
         }
     )
-    return EvaluationResult(metrics, predictions)
+    return EvaluationResult(metrics, predictions, answer_plots(references, generated))

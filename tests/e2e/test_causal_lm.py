@@ -35,7 +35,10 @@ def test_causal_lm_experiment_runs_offline_with_lora_and_reports_generation_qual
     assert list(predictions.columns) == ["row_id", "prompt", "reference", "generated", "exact_match"]
     assert predictions["row_id"].tolist() == list(range(len(predictions)))  # in row order
     assert predictions["exact_match"].mean() == pytest.approx(evaluate["test_exact_match"])
-    assert json.loads((root / "plots/confusion.json").read_text()) == []  # no classes to confuse
+    confusion = json.loads((root / "plots/confusion.json").read_text())
+    assert len(confusion) == len(predictions)  # one row per test row, never an empty chart
+    per_class = json.loads((root / "plots/per_class.json").read_text())
+    assert per_class and all(0.0 <= row["recall"] <= 1.0 for row in per_class)
 
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("finetune")
