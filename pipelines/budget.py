@@ -5,8 +5,10 @@ fake tensors), so nothing is allocated while choosing. Candidates come in tiers,
 tier is tried only when nothing in the earlier ones fits, because later tiers change what is
 trained, not just how:
 
-0. the same model and optimizer: precision, checkpointing, and accumulation with the largest
-   micro-batch that fits (micro-batch x accumulation = the effective batch, exactly);
+0. the same model and optimizer: precision, checkpointing (none, every 2nd block, every block; on CUDA
+   also every block with its inputs offloaded to host memory), and accumulation with the largest
+   micro-batch that fits (micro-batch x accumulation = the effective batch, exactly). `loss_impl` is
+   kept as written: its default, auto, already chunks the loss of large vocabularies;
 1. a memory-lean optimizer (Adafactor; 8-bit AdamW on CUDA with bitsandbytes), same grid;
 2. LoRA (the adapter section's rank and targets, with Adafactor as well), when the run has none.
 
@@ -105,6 +107,18 @@ def precision_speed(precision: str, device: torch.device) -> float:
     return 2.0 if device.type == "cuda" and precision in ("bf16", "fp16") else 1.0
 
 
+def _checkpointing(device: torch.device) -> list[dict[str, object]]:
+    """Checkpointing settings from fastest to leanest: none, every 2nd block, every block (then offloaded)."""
+    options: list[dict[str, object]] = [
+        {"grad_checkpointing": False, "grad_checkpointing_every": 1},
+        {"grad_checkpointing": True, "grad_checkpointing_every": 2},
+        {"grad_checkpointing": True, "grad_checkpointing_every": 1},
+    ]
+    if device.type == "cuda":
+        options.append({"grad_checkpointing": True, "grad_checkpointing_every": 1, "activation_offload": True})
+    return options
+
+
 def _tiers(params: Params, device: torch.device, lora_allowed: bool) -> Iterator[list[dict[str, object]]]:
     optimizers = ["adafactor"]
     if device.type == "cuda" and importlib.util.find_spec("bitsandbytes") is not None:
@@ -117,7 +131,10 @@ def _tiers(params: Params, device: torch.device, lora_allowed: bool) -> Iterator
 
 
 def _changes(params: Params, chosen: Params) -> list[str]:
-    keys = ("precision", "grad_checkpointing", "optim", "batch_size", "grad_accum_steps")
+    keys = (
+        "precision", "grad_checkpointing", "grad_checkpointing_every", "activation_offload", "optim", "batch_size",
+        "grad_accum_steps",
+    )  # fmt: skip
     changed = [f"{key}: {getattr(chosen, key)}" for key in keys if getattr(chosen, key) != getattr(params, key)]
     if chosen.adapter.type != params.adapter.type:
         changed.append(f"adapter.type: {chosen.adapter.type}")
@@ -151,9 +168,9 @@ def choose_strategy(params: Params, plan: Planner, device: torch.device, lora_al
         (
             (candidate, plan(candidate))
             for candidate in (
-                apply_overrides(params, {**lean, **_batch(params, 1), "precision": precision, "grad_checkpointing": c})
+                apply_overrides(params, {**lean, **_batch(params, 1), "precision": precision, **checkpointing})
                 for precision in _precisions(device)
-                for c in (False, True)
+                for checkpointing in (_checkpointing(device)[0], _checkpointing(device)[-1])  # none, and leanest
             )
         ),
         key=lambda found: found[1].peak,
@@ -169,10 +186,8 @@ def choose_strategy(params: Params, plan: Planner, device: torch.device, lora_al
         fits: list[tuple[float, int, int, Params, MemoryPlan]] = []
         for change in changes:
             for precision in _precisions(device):
-                for checkpointing in (False, True):
-                    candidate = apply_overrides(
-                        params, {**change, "precision": precision, "grad_checkpointing": checkpointing}
-                    )
+                for checkpointing in _checkpointing(device):
+                    candidate = apply_overrides(params, {**change, "precision": precision, **checkpointing})
                     found = largest_fitting_batch(candidate, plan, budget)
                     if found is None:
                         continue

@@ -45,6 +45,7 @@ from pipelines.tasks.base import Task
 from pipelines.train.fast_dropout import fast_dropout
 from pipelines.train.flops import flop_counter
 from pipelines.train.memory import track_training_peak
+from pipelines.train.memory_levers import apply_memory_levers
 from pipelines.train.optim import build_optimizer
 from pipelines.train.parallel import sharding_units
 from pipelines.train.steps import (
@@ -161,7 +162,7 @@ def _step_and_model_flops(
     if checkpointing:
         with flop_counter(model_work=False) as hardware:
             step(None)
-        model.gradient_checkpointing_disable()
+        model.activation_checkpointing_disable()
         with flop_counter(model_work=True) as model_work:
             step(None)
     else:  # one step, both counters (nested dispatch modes each see every op)
@@ -264,8 +265,7 @@ def plan_memory(
     model = _all_fake(adapt(model), mode)
     with mode:
         model.train()
-        if params.grad_checkpointing:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        apply_memory_levers(model, params, task, device, planning=True)  # as the trainer applies them
         lr = params.lr if params.lr != "auto" else 1e-3  # the rate does not change memory
         optimizer = build_optimizer(params.optim, model, lr, params.weight_decay, CPU)
         scaler = make_scaler(precision, CPU)

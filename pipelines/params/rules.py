@@ -54,6 +54,22 @@ RULES: tuple[Rule, ...] = (
     Rule(lambda p: p.precision == "fp16" and p.device == "cpu",
          lambda p: "precision: fp16 (with loss scaling) is for GPUs; with device: cpu use precision: bf16, fp32 "
                    "or auto"),
+    Rule(lambda p: p.grad_checkpointing_every > 1 and not p.grad_checkpointing,
+         lambda p: f"grad_checkpointing_every: {p.grad_checkpointing_every} picks which blocks are checkpointed; "
+                   "it needs grad_checkpointing: true (or set grad_checkpointing_every: 1)"),
+    Rule(lambda p: p.activation_offload and p.device == "cpu",
+         lambda p: "activation_offload: true moves saved activations from GPU memory to host memory; with "
+                   "device: cpu they are already in host memory (set activation_offload: false)"),
+    Rule(lambda p: p.kernels == "liger" and p.device == "cpu",
+         lambda p: "kernels: liger runs Liger-Kernel's Triton kernels, which need CUDA; with device: cpu use "
+                   "kernels: none"),
+    Rule(lambda p: p.loss_impl == "chunked" and p.task == "classification",
+         lambda p: "loss_impl: chunked chunks a vocabulary projection; task: classification has none (its head "
+                   "has one output per class): use loss_impl: auto or full"),
+    Rule(lambda p: p.loss_impl == "chunked" and (p.compile or p.distributed.strategy == "fsdp"),
+         lambda p: "loss_impl: chunked calls the output head's weight outside the model's forward, which "
+                   f"{'compile: true would retrace' if p.compile else 'distributed.strategy: fsdp keeps sharded'}; "
+                   "use loss_impl: auto (full here) or full"),
     Rule(lambda p: p.persistent_workers and p.num_workers == 0,
          lambda p: "persistent_workers: true needs num_workers > 0 (there are no workers to keep)"),
     Rule(lambda p: bool(p.distributed.use_gpu) and p.device == "cpu",

@@ -56,6 +56,24 @@ class Params(StrictModel):
     )
     grad_accum_steps: PositiveInt = Field(description="Micro-batches accumulated per optimizer step.")
     grad_checkpointing: bool = Field(description="Recompute activations in backward to save memory.")
+    grad_checkpointing_every: PositiveInt = Field(
+        description="With grad_checkpointing: checkpoint every n-th transformer block (1: all of them; 2: half, "
+        "keeping the others' activations for speed); transformers' every_n_layers."
+    )
+    activation_offload: bool = Field(
+        description="CUDA: keep saved activations in pinned host memory, copied asynchronously (with "
+        "grad_checkpointing: the checkpointed blocks' inputs, via transformers; without: every saved tensor, via "
+        "torch's save_on_cpu). Refused on the CPU, where activations already live in host memory."
+    )
+    loss_impl: Literal["auto", "full", "chunked"] = Field(
+        description="causal_lm and seq2seq: full (project every target position to the vocabulary at once) or "
+        "chunked (project and score a chunk of positions at a time, recomputed in backward: one chunk of logits "
+        "is ever held); auto: chunked where the vocabulary has at least 32,768 entries and the model allows it."
+    )
+    kernels: Literal["none", "liger"] = Field(
+        description="CUDA: liger swaps in Liger-Kernel's fused Triton kernels (RMSNorm, RoPE, SwiGLU, fused "
+        "linear cross-entropy) for the model families it supports; none: the model's own code."
+    )
     lr: LearningRate = Field(
         description="Peak learning rate, or `auto`: an LR range test on the training split picks it before training "
         "(see lr_range_test; with lr_schedule: onecycle it is the cycle's maximum)."

@@ -71,6 +71,9 @@ class Task(ABC):
     quality: tuple[QualityMetric, ...]
     # The column a served model (pipelines.tracking.mlflow_pyfunc) reads its raw texts from.
     input_column: str
+    # Whether the loss projects hidden states to a vocabulary through the model's output head (then `loss_impl`
+    # may chunk it: pipelines.tasks.linear_ce); a classifier's head has one output per class.
+    projects_vocabulary: bool = False
 
     # ---- serving: raw texts in, texts out (the logged MLflow model) -----------------------
     @abstractmethod

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -27,6 +26,7 @@ from pipelines.errors import UserError
 from pipelines.params import DataParams, ModelParams, Params
 from pipelines.runtime import ResolvedPrecision
 from pipelines.tasks.base import Encoded, EvaluationResult, QualityMetric, Task
+from pipelines.tasks.linear_ce import projected_cross_entropy, unwrapped
 
 
 def source_columns(data: DataParams) -> dict[str, str]:
@@ -120,10 +120,7 @@ def with_targets(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _keeps_logits(model: nn.Module) -> bool:
     """Whether the (unwrapped) model's forward takes `logits_to_keep` (most transformers decoders do)."""
-    inner = getattr(model, "module", model)  # DDP
-    inner = getattr(inner, "_orig_mod", inner)  # torch.compile
-    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft
-    return "logits_to_keep" in inspect.signature(inner.forward).parameters
+    return "logits_to_keep" in inspect.signature(unwrapped(model).forward).parameters
 
 
 def next_token_loss(
@@ -134,7 +131,8 @@ def next_token_loss(
     The vocabulary projection runs only at positions whose next token is a target
     (`logits_to_keep` with the collator's integer positions): with the prompt masked that skips
     most of a row's (rows x length x vocab) logits, the largest tensor of a small model's step.
-    Models without that argument get full logits, and the same loss.
+    Models without that argument get full logits, and the same loss. With the loss chunked
+    (`loss_impl`), the projection itself runs a chunk of positions at a time (`pipelines.tasks.linear_ce`).
     """
     if "target_positions" not in batch:  # a batch not from our collators (e.g. the batch-size probe)
         batch = with_targets(dict(batch))
@@ -142,14 +140,13 @@ def next_token_loss(
     # A packed batch has position ids and no attention mask; training never needs a key/value cache.
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
     if _keeps_logits(model):
-        logits = model(**inputs, use_cache=False, logits_to_keep=positions).logits
+        forward = lambda: model(**inputs, use_cache=False, logits_to_keep=positions).logits  # noqa: E731
     else:
-        logits = torch.take_along_dim(model(**inputs, use_cache=False).logits, positions[..., None], dim=1)
-    logits = logits.float().reshape(-1, logits.shape[-1])  # fp32 log-softmax even under autocast
-    targets = targets.reshape(-1)
-    total = F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum")
+        forward = lambda: torch.take_along_dim(  # noqa: E731
+            model(**inputs, use_cache=False).logits, positions[..., None], dim=1
+        )
+    total, correct = projected_cross_entropy(model, forward, targets)
     counted = targets != IGNORE
-    correct = ((logits.detach().argmax(-1) == targets) & counted).sum()
     return total, counted.sum(), correct
 
 
@@ -158,6 +155,7 @@ class CausalLmTask(Task):
 
     name = "causal_lm"
     peft_task_type = "CAUSAL_LM"
+    projects_vocabulary = True
     objective = ("val_loss", "min")
     validation_metric_names = ("val_loss", "val_token_accuracy")
     quality = (

@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import (
     AutoModelForSeq2SeqLM,
@@ -38,6 +37,7 @@ from pipelines.runtime import ResolvedPrecision, autocast_context
 from pipelines.tasks.answer_plots import answer_plots
 from pipelines.tasks.base import Encoded, EvaluationResult, QualityMetric, Task
 from pipelines.tasks.causal_lm import IGNORE
+from pipelines.tasks.linear_ce import projected_cross_entropy
 
 SOURCE, TARGET = "source", "target"
 
@@ -88,17 +88,17 @@ def target_token_loss(
     decoder_input = batch.get("decoder_input_ids")
     if decoder_input is None:  # a synthetic batch (memory probes): shifted right as the model itself does
         decoder_input = getattr(model, "module", model).prepare_decoder_input_ids_from_labels(labels=batch["labels"])
-    logits = model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], decoder_input_ids=decoder_input
-    ).logits
+    labels = batch["labels"]
+
+    def forward() -> torch.Tensor:
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        return model(**inputs, decoder_input_ids=decoder_input).logits
+
     # Every position with ignore_index, not the targets picked by a boolean mask: a mask's data-dependent shape
     # costs a host sync per micro-batch on CUDA and cannot be sized on fake tensors (the memory plan). Decoder
     # rows pad only past their EOS, so the fp32 copy covers few positions more than the targets.
-    labels = batch["labels"]
+    total, correct = projected_cross_entropy(model, forward, labels)
     targets = labels != IGNORE
-    flat = logits.flatten(0, 1).float()
-    total = F.cross_entropy(flat, labels.flatten(), ignore_index=IGNORE, reduction="sum")
-    correct = ((flat.detach().argmax(-1) == labels.flatten()) & targets.flatten()).sum()
     return total, targets.sum(), correct
 
 
@@ -111,6 +111,7 @@ class Seq2SeqTask(Task):
 
     name = "seq2seq"
     peft_task_type = "SEQ_2_SEQ_LM"
+    projects_vocabulary = True
     objective = ("val_loss", "min")
     validation_metric_names = ("val_loss", "val_token_accuracy")
     quality = (

@@ -34,6 +34,7 @@ from pipelines.data.loader import to_device
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.params import Params
 from pipelines.runtime import ResolvedPrecision, autocast_context
+from pipelines.train.memory_levers import offloading
 
 if TYPE_CHECKING:
     from pipelines.tasks.base import Task
@@ -90,7 +91,7 @@ def backward_micro_batch(
         from pipelines.tasks import get_task
 
         task = get_task("classification")
-    with autocast_context(precision, device):
+    with autocast_context(precision, device), offloading(model):
         total, _ = task.loss(model, batch)
     loss = total / max(units_in_window, 1)  # a window whose answers were all truncated away adds 0
     scaler.scale(loss).backward()

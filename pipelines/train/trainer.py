@@ -25,6 +25,7 @@ from pipelines.params import Params
 from pipelines.runtime import ResolvedPrecision, apply_tf32, resolve_pad_multiple, resolve_tf32
 from pipelines.train.checkpoint import LoopState, find_resumable, restore, save_checkpoint
 from pipelines.train.memory import MemoryAtPeak, gradient_bytes, restored_after, track_step, track_training_peak
+from pipelines.train.memory_levers import apply_memory_levers
 from pipelines.train.optim import build_optimizer, build_scheduler, create_fresh_state
 from pipelines.train.out_of_memory import OUT_OF_MEMORY, recover_from_out_of_memory
 from pipelines.train.parallel import gather_full_weights, replicate, shard, uses_fsdp
@@ -81,8 +82,7 @@ class Trainer:
         self.device, self.precision, self.task, self.say = device, precision, task, say
         self.on_log, self.on_epoch_end, self.checkpoint_dir = on_log, on_epoch_end, checkpoint_dir
         model.train()
-        if params.grad_checkpointing:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        apply_memory_levers(model, params, task, device)  # checkpointing, offloading, the loss, kernels
         self.tf32 = resolve_tf32(params, precision, device)
         if device.type == "cuda":
             torch.backends.cudnn.benchmark = True

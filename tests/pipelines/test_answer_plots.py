@@ -35,7 +35,8 @@ def test_open_answers_are_grouped_by_reference_length():
     labels = [r["class"] for r in plots["per_class"]]
     assert labels == sorted(labels, key=lambda s: int(s.split("-")[0].split("+")[0]))  # short to long
     total = sum(r["recall"] * sum(length_bucket(x) == r["class"] for x in references) for r in plots["per_class"])
-    assert total == pytest.approx(sum(g == r for g, r in zip(generated, references)))  # recall = exact match
+    exact = sum(g == r for g, r in zip(generated, references, strict=True))
+    assert total == pytest.approx(exact)  # recall weighted by rows = exact match
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,114 @@
+"""The memory levers that change how a step is computed, never what is trained, applied to a model once per trial:
+activation checkpointing (all blocks, or every n-th), activation offloading, the loss's projection (full or
+chunked), and fused CUDA kernels. The trainer, its warm-up probe and the memory plan all call
+`apply_memory_levers`, so what is planned is what trains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from contextlib import AbstractContextManager
+
+import torch
+from torch import nn
+
+from pipelines.errors import UserError
+from pipelines.params import Params
+from pipelines.tasks.base import Task
+from pipelines.tasks.linear_ce import chunk_rows_for, chunked_loss_unsupported, set_loss_chunk_rows, unwrapped
+
+# `loss_impl: auto` chunks at this vocabulary size and above (Llama-3: 128,256; SmolLM2: 49,152; GPT-2: 50,257).
+CHUNKED_FROM_VOCAB = 32_768
+_OFFLOAD = "_pipelines_offload_activations"
+# The model families Liger-Kernel patches (liger_kernel.transformers' apply_liger_kernel_to_<family>).
+LIGER_MODEL_TYPES = ("llama", "mistral", "mixtral", "gemma", "gemma2", "qwen2", "qwen3", "phi3", "granite", "olmo2")
+
+
+def resolve_loss_chunk_rows(model: nn.Module, params: Params, task: Task) -> int | None:
+    """Rows per chunk of the loss's projection under `loss_impl`, or None for the full projection."""
+    if params.loss_impl == "full" or not task.projects_vocabulary:
+        return None
+    why_not = chunked_loss_unsupported(model)
+    if params.loss_impl == "chunked":
+        if why_not is not None:
+            raise UserError(f"loss_impl: chunked: {why_not}; use loss_impl: auto or full")
+    elif why_not is not None or params.compile or params.distributed.strategy == "fsdp":
+        return None
+    vocab = unwrapped(model).get_output_embeddings().out_features
+    if params.loss_impl == "auto" and vocab < CHUNKED_FROM_VOCAB:
+        return None
+    return chunk_rows_for(vocab)
+
+
+def _enable_checkpointing(model: nn.Module, params: Params, offload: bool) -> None:
+    if not params.grad_checkpointing:
+        return
+    # transformers' own options: every n-th decoder block, and the blocks' inputs kept in pinned host memory.
+    model.activation_checkpointing_enable(
+        activation_checkpointing_kwargs={"use_reentrant": False},
+        every_n_layers=params.grad_checkpointing_every,
+        offload=offload,
+    )
+
+
+def _apply_kernels(model: nn.Module, params: Params, device: torch.device) -> None:
+    if params.kernels == "none":
+        return
+    if device.type != "cuda":
+        raise UserError(f"kernels: liger needs CUDA (Triton kernels); this trial trains on {device.type}")
+    model_type = getattr(getattr(unwrapped(model), "config", None), "model_type", None)
+    if model_type not in LIGER_MODEL_TYPES:
+        raise UserError(
+            f"kernels: liger supports the model types {', '.join(LIGER_MODEL_TYPES)}; this model is "
+            f"{model_type!r}: use kernels: none"
+        )
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise UserError("kernels: liger needs the liger-kernel package: pip install liger-kernel (CUDA only)")
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    _apply_liger_kernel_to_instance(model=unwrapped(model))
+
+
+def apply_memory_levers(
+    model: nn.Module, params: Params, task: Task, device: torch.device, *, planning: bool = False
+) -> None:
+    """Checkpointing, offloading, the loss's projection and kernels, as the params ask, on `model` in place.
+
+    `device` is where the trial trains. `planning`: the memory plan's fake step on the CPU, where offloading is
+    modelled (`offloading`) rather than run, and kernels are not swapped in (Triton does not trace on fake
+    CPU tensors; the plan counts the model's own ops, an upper bound for Liger's fused ones).
+    """
+    if params.activation_offload and device.type != "cuda":
+        raise UserError(
+            f"activation_offload: true moves saved activations from GPU to host memory; this trial trains on "
+            f"{device.type}, where they already are in host memory (set activation_offload: false)"
+        )
+    offload = params.activation_offload
+    _enable_checkpointing(model, params, offload and not planning)
+    # Without checkpointing, offload every tensor autograd saves (torch's save_on_cpu around the forward); the
+    # plan models either form by keeping saved tensors out of device memory until backward reads them.
+    mode = "plan" if offload and planning else "host" if offload and not params.grad_checkpointing else None
+    setattr(unwrapped(model), _OFFLOAD, mode)
+    set_loss_chunk_rows(model, resolve_loss_chunk_rows(model, params, task))
+    if not planning:
+        _apply_kernels(model, params, device)
+
+
+def _off_device(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.device]:
+    return tensor.to("meta"), tensor.device  # no storage: what the host holds is not device memory
+
+
+def _back_on_device(packed: tuple[torch.Tensor, torch.device]) -> torch.Tensor:
+    meta, device = packed
+    return torch.empty_like(meta, device=device)  # the host-to-device copy backward allocates
+
+
+def offloading(model: nn.Module) -> AbstractContextManager[object]:
+    """Around a forward: saved tensors go to pinned host memory (`activation_offload`; see `apply_memory_levers`)."""
+    mode = getattr(unwrapped(model), _OFFLOAD, None)
+    if mode == "host":
+        return torch.autograd.graph.save_on_cpu(pin_memory=True)
+    if mode == "plan":
+        return torch.autograd.graph.saved_tensors_hooks(_off_device, _back_on_device)
+    return contextlib.nullcontext()
