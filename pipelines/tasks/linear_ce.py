@@ -23,7 +23,10 @@ from torch import nn
 
 from pipelines.data.packing import IGNORE
 
-CHUNK_BYTES = 64 * 1024 * 1024  # fp32 logits per chunk: 341 rows of a 49,152-word vocabulary
+# fp32 logits per chunk: 85 rows of a 49,152-word vocabulary. Backward holds about three chunk-sized tensors; at
+# 16 MB the loss of 1,024 SmolLM2 targets peaks 92% lower than the full projection's (64 MB: 70% lower), at the
+# same speed (benchmarks/RESULTS.md, "Memory levers").
+CHUNK_BYTES = 16 * 1024 * 1024
 _ATTRIBUTE = "_pipelines_loss_chunk_rows"
 # Config fields that transform logits after the head (soft-capping, scaling): the chunked form would skip them.
 _AFTER_HEAD = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -134,7 +137,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad = (grad * (counted * grad_total)[:, None]).to(dtype)
                 if grad_hidden is not None:
                     grad_hidden[chunk] = (grad @ w).to(hidden.dtype)
-                if grad_weight is not None:
+                if grad_weight is not None and dtype == torch.float32:
+                    grad_weight.addmm_(grad.t(), h)  # in place: no vocab x hidden temporary per chunk
+                elif grad_weight is not None:
                     grad_weight += (grad.t() @ h).float()
                 if grad_bias is not None:
                     grad_bias += grad.float().sum(0)

