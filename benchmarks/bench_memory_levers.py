@@ -46,6 +46,8 @@ BASE: dict[str, Any] = {
     "data.max_length": 1024,
     "data.packing": True,
     "data.text_column": "text",
+    "data.prompt_column": None,
+    "data.response_column": None,
     "data.pad_to_multiple_of": None,
     "log_every_n_steps": 1,
     "checkpoint_every_n_steps": None,

@@ -23,9 +23,9 @@ from torch import nn
 
 from pipelines.data.packing import IGNORE
 
-# fp32 logits per chunk: 85 rows of a 49,152-word vocabulary. Backward holds about three chunk-sized tensors; at
-# 16 MB the loss of 1,024 SmolLM2 targets peaks 92% lower than the full projection's (64 MB: 70% lower), at the
-# same speed (benchmarks/RESULTS.md, "Memory levers").
+# fp32 logits per chunk: 85 rows of a 49,152-word vocabulary. Forward and backward each hold about two chunk-sized
+# tensors: on SmolLM2's head at 1,024 targets the loss's own peak is 92% below the full projection's, its time
+# 1.65x on a CPU (the recomputed projection; benchmarks/RESULTS.md, "Memory levers").
 CHUNK_BYTES = 16 * 1024 * 1024
 _ATTRIBUTE = "_pipelines_loss_chunk_rows"
 # Config fields that transform logits after the head (soft-capping, scaling): the chunked form would skip them.
@@ -132,9 +132,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 h, t = hidden[chunk].to(dtype), targets[chunk]
                 counted = (t != IGNORE).float()
                 # d(lse - picked)/d(logits) = softmax - one_hot(target), zero on ignored rows, times the upstream grad.
-                grad = torch.exp(F.linear(h, w, b).float() - lse[chunk][:, None])
+                # In place: one chunk-sized tensor, not one per op.
+                grad = F.linear(h, w, b).float().sub_(lse[chunk][:, None]).exp_()
                 grad.scatter_add_(1, t.clamp_min(0)[:, None], -torch.ones_like(grad[:, :1]))
-                grad = (grad * (counted * grad_total)[:, None]).to(dtype)
+                grad = grad.mul_((counted * grad_total)[:, None]).to(dtype)
                 if grad_hidden is not None:
                     grad_hidden[chunk] = (grad @ w).to(hidden.dtype)
                 if grad_weight is not None and dtype == torch.float32:
