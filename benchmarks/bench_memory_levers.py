@@ -6,7 +6,8 @@ of vanilla, the loss unchanged, and the plan's prediction beside each measured p
 Plain language modelling of AG News descriptions, packed to `data.max_length` 1024, one pack per optimizer step,
 fp32, AdamW, one epoch; full fine-tuning and LoRA (r 16 on q/k/v/o). Configurations, each in its own process on
 the same packs and seed: vanilla (`loss_impl: full`, no checkpointing), chunked cross-entropy, checkpointing of
-every 4th and every 2nd block, of every block, and all lean levers together (chunked + every block). Memory is
+every 4th and every 2nd block, of every block, all lean levers together (chunked + every block), and those with
+Adafactor (the lean optimizer; `--configs` picks some, vanilla always runs first). Memory is
 the trial's own MemTracker peak over its training steps (`peak_train_memory_bytes`); step time is the median of
 the timed steps (the first, warm-up step excluded). The loss is the last step's, which must equal vanilla's
 within 1e-4 relative: these levers change how a step is computed, not what it computes.
@@ -64,6 +65,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "checkpoint every 2nd block": {"loss_impl": "full", "grad_checkpointing": True, "grad_checkpointing_every": 2},
     "checkpoint every block": {"loss_impl": "full", "grad_checkpointing": True},
     "all lean (chunked + every block)": {"loss_impl": "chunked", "grad_checkpointing": True},
+    # With the lean optimizer too (it changes what is trained, so its loss is not held to vanilla's).
+    "all lean + Adafactor": {"loss_impl": "chunked", "grad_checkpointing": True, "optim": "adafactor"},
 }
 
 
@@ -163,6 +166,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--packs", type=int, default=5, help="packs of 1,024 tokens (optimizer steps incl. warm-up)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--one", nargs=3, metavar=("WORK", "MODE", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     folder = smollm2_folder()
@@ -184,7 +188,7 @@ def main() -> None:
         prepare(folder, work, args.packs)
         for mode in MODES:
             results[mode] = {}
-            for config in CONFIGS:
+            for config in dict.fromkeys(["vanilla", *args.configs]):  # vanilla first: the ratios' base
                 cmd = [sys.executable, "-m", "benchmarks.bench_memory_levers", "--one", str(work), mode, config]
                 done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, check=True)
                 results[mode][config] = json.loads(done.stdout.strip().splitlines()[-1])

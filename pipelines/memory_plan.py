@@ -42,6 +42,7 @@ from pipelines.params import Params, apply_overrides
 from pipelines.qlora_plan import as_qlora
 from pipelines.runtime import ResolvedPrecision, resolve_pad_multiple
 from pipelines.tasks.base import Task
+from pipelines.train.eval_memory import largest_eval_batch, validation_peak
 from pipelines.train.fast_dropout import fast_dropout
 from pipelines.train.flops import flop_counter
 from pipelines.train.memory import track_training_peak
@@ -89,6 +90,7 @@ class MemoryPlan:
     step_flops: int = 0
     model_flops: int = 0
     positions: int = 0
+    eval_peak: int = 0  # validation's largest scoring batch, beside weights and optimizer state (train/eval_memory)
 
     def as_metrics(self) -> dict[str, float]:
         """MLflow names: `predicted_*`, beside the measured `peak_train_memory_bytes` and its breakdown."""
@@ -102,6 +104,7 @@ class MemoryPlan:
             "plan_time_s": self.plan_time_s,
             "predicted_step_flops": float(self.step_flops),
             "model_flops_per_step": float(self.model_flops),
+            "predicted_eval_peak_bytes": float(self.eval_peak),
         }
 
     def model_flops_per_position(self) -> float:
@@ -224,6 +227,22 @@ def _unavailable_on_failure(plan: Callable[..., MemoryPlan]) -> Callable[..., Me
     return planned
 
 
+def _first_window(
+    params: Params, task: Task, train: TokenizedSplit, pad_id: int, device: torch.device
+) -> tuple[list[list[int]], float, list[dict[str, torch.Tensor]], int]:
+    """The first (longest) accumulation window: its rows, loss units, the micro-batches that can set its peak
+    (collated on the host, padded as the trial on `device` pads them), and all its positions."""
+    sampler = training_sampler(train, params)
+    window = plan_windows(sampler.batches(0), params.grad_accum_steps)[0]
+    units = window_units(window, task.loss_units(train, params))
+    in_process = params.model_copy(update={"num_workers": 0, "persistent_workers": False})
+    batches = [
+        {k: v for k, v in batch.items() if k not in _HOST_COUNTS}
+        for batch in make_loader(train, window, in_process, pad_id, CPU, resolve_pad_multiple(params, device), task)
+    ]
+    return window, units, peak_micro_batches(batches), sum(int(b["num_positions"]) for b in batches)
+
+
 @_unavailable_on_failure
 def plan_memory(
     params: Params,
@@ -245,19 +264,12 @@ def plan_memory(
     if params.adapter.type == "qlora":
         return _plan_qlora(params, task, train, build_base, pad_id, precision, device)
     start = time.perf_counter()
-    sampler = training_sampler(train, params)
-    window = plan_windows(sampler.batches(0), params.grad_accum_steps)[0]
-    units = window_units(window, task.loss_units(train, params))
-    in_process = params.model_copy(update={"num_workers": 0, "persistent_workers": False})
-    batches = [
-        {k: v for k, v in batch.items() if k not in _HOST_COUNTS}
-        for batch in make_loader(train, window, in_process, pad_id, CPU, resolve_pad_multiple(params, device), task)
-    ]
-    all_positions = sum(int(b["num_positions"]) for b in batches)
-    batches = peak_micro_batches(batches)
+    window, units, batches, all_positions = _first_window(params, task, train, pad_id, device)
     # The planned micro-batches stand for the whole window: FLOPs scale with its positions (read here: under
     # fake mode, reading a tensor's value is a data-dependent op).
     scale = all_positions / sum(int(b["num_positions"]) for b in batches)
+    # Validation's largest scoring batch, collated on the host as the trial collates it (not under fake mode).
+    eval_batch = largest_eval_batch(train, params, task, pad_id, resolve_pad_multiple(params, device))
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         torch.manual_seed(params.seed)
@@ -287,6 +299,7 @@ def plan_memory(
             step_flops, model_flops = _step_and_model_flops(step, model, params.grad_checkpointing, scale)
         state = [v for kept in optimizer.state.values() for v in kept.values() if isinstance(v, torch.Tensor)]
         state = [v for v in state if v.numel() > 1]  # as the trial counts: moments and factors, not scalar steps
+        eval_peak = validation_peak(model, optimizer, eval_batch, precision, task)
     plan = MemoryPlan(
         peak=peak.total,
         parameters=_nbytes(list(model.parameters())),
@@ -300,6 +313,7 @@ def plan_memory(
         step_flops=step_flops,
         model_flops=model_flops,
         positions=all_positions,
+        eval_peak=eval_peak,
     )
     if params.distributed.strategy == "fsdp" and params.distributed.num_workers > 1:
         return plan.sharded(params.distributed.num_workers, fsdp_gathered_bytes(model))
@@ -346,14 +360,19 @@ def plan_variants(params: Params, root: Path, tokenized: Path) -> dict[str, Memo
 def plan_table(plans: dict[str, MemoryPlan | str]) -> str:
     """The plans as a markdown table (MB), one row per variant."""
     lines = [
-        "| Variant | Predicted peak | Parameters | Trainable | Gradients | Optimizer state | Activations | Batch |",
-        "|---|---|---|---|---|---|---|---|",
+        "| Variant | Predicted peak | Parameters | Trainable | Gradients | Optimizer state | Activations | Batch "
+        "| Validation peak |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, plan in plans.items():
         if isinstance(plan, str):
-            lines.append(f"| {name} | not planned: {plan} |  |  |  |  |  |  |")
+            lines.append(f"| {name} | not planned: {plan} |  |  |  |  |  |  |  |")
             continue
         sizes = (plan.peak, plan.parameters, plan.trainable_parameters, plan.gradients, plan.optimizer_state)
         cells = [f"{value / MB:,.1f} MB" for value in (*sizes, plan.activations)]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {plan.batch_rows} x {plan.batch_width} |")
+        lines.append(
+            f"| {name} | "
+            + " | ".join(cells)
+            + f" | {plan.batch_rows} x {plan.batch_width} | {plan.eval_peak / MB:,.1f} MB |"
+        )
     return "\n".join(lines)

@@ -18,7 +18,9 @@ from pipelines.params import ParamsError
 from pipelines.tasks import get_task
 from pipelines.tasks.linear_ce import loss_chunk_rows, set_loss_chunk_rows
 from pipelines.train.engine import train_model
+from pipelines.train.eval_memory import largest_eval_batch, validation_peak
 from pipelines.train.memory_levers import apply_memory_levers
+from pipelines.train.optim import build_optimizer
 from pipelines.train.steps import backward_micro_batch, make_scaler
 from tests.conftest import tiny_params
 from tests.pipelines.tasks.test_causal_lm import WordTokenizer, lm_params, lm_split
@@ -168,3 +170,25 @@ def test_strategy_auto_picks_selective_checkpointing_when_it_is_the_fastest_that
     choice = choose_strategy(budgeted, plan, CPU, lora_allowed=False)
     assert choice.plan.peak <= budgeted.memory_budget
     assert choice.params.grad_checkpointing and choice.params.grad_checkpointing_every == 2, choice.why
+
+
+@pytest.mark.parametrize("loss_impl", ["full", "chunked"])
+def test_validation_memory_is_planned_within_10_percent(default_params, loss_impl):
+    # Validation scores twice a step's rows with the optimizer state resident: on a large vocabulary with the
+    # full projection it peaks above the training step, which is where users run out of memory.
+    params, task, build = llama(default_params, loss_impl=loss_impl)
+    train = lm_split(rows=64, seed=2)
+    plan = plan_memory(params, task, train, build, lambda model: model, 0, "fp32")
+    torch.manual_seed(params.seed)
+    model = build()
+    apply_memory_levers(model, params, task, CPU)
+    optimizer = build_optimizer(params.optim, model, 1e-3, 0.0, CPU)
+    batch = largest_eval_batch(train, params, task, 0, None)
+    backward_micro_batch(model, batch, 1.0, "fp32", CPU, make_scaler("fp32", CPU), task)
+    optimizer.step()  # the state exists, as at an epoch's end
+    measured = validation_peak(model, optimizer, batch, "fp32", task)
+    assert abs(plan.eval_peak / measured - 1) <= PLAN_TOLERANCE, (plan.eval_peak, measured)
+    if loss_impl == "full":
+        assert plan.eval_peak > plan.peak  # the logits of 32 rows x the vocabulary, all at once
+    else:
+        assert plan.eval_peak < plan.peak
