@@ -20,19 +20,18 @@ OTHER_ANSWER = "(other answer)"
 LENGTH_EDGES = (0, 4, 8, 16, 32, 64)
 
 
+def _bucket_labels() -> tuple[str, ...]:
+    spans = [f"{low + 1}-{high} words" for low, high in zip(LENGTH_EDGES, LENGTH_EDGES[1:], strict=False)]
+    return ("0 words", *spans, f"{LENGTH_EDGES[-1] + 1}+ words")
+
+
+BUCKETS = _bucket_labels()  # short to long: the order the per-class chart lists them in
+
+
 def length_bucket(text: str) -> str:
     """The bucket label of a text's length in words, e.g. '5-8 words'; '0 words' for an empty answer."""
     words = len(text.split())
-    if words == 0:
-        return "0 words"
-    for low, high in zip(LENGTH_EDGES, LENGTH_EDGES[1:], strict=False):
-        if words <= high:
-            return f"{low + 1}-{high} words"
-    return f"{LENGTH_EDGES[-1] + 1}+ words"
-
-
-def _bucket_order(label: str) -> int:
-    return int(label.split("-")[0].split("+")[0].split(" ")[0])
+    return BUCKETS[sum(words > edge for edge in LENGTH_EDGES) if words else 0]
 
 
 def answer_plots(references: Sequence[str], generated: Sequence[str]) -> dict[str, list[dict[str, object]]]:
@@ -48,7 +47,8 @@ def answer_plots(references: Sequence[str], generated: Sequence[str]) -> dict[st
     else:
         actual = [length_bucket(r) for r in references]
         predicted = [length_bucket(g) for g in generated]
-        classes = sorted(set(actual), key=_bucket_order)
+        present = set(actual)
+        classes = [label for label in BUCKETS if label in present]
     exact = [g == r for g, r in zip(generated, references, strict=True)]
     confusion = [{"actual": a, "predicted": p} for a, p in zip(actual, predicted, strict=True)]
     per_class = []

@@ -6,7 +6,7 @@ The chunked form projects `CHUNK_BYTES` worth of rows at a time, keeps one log-s
 each chunk's logits in backward, so only one chunk of logits ever exists. Hand-written rather than taken from
 cut-cross-entropy or Liger because it must also run on a CPU and on fake tensors (the memory plan traces the
 trial's own loss); on CUDA `kernels: liger` uses Liger's fused kernel instead. Same loss and gradients as the
-full projection (fp32: within 1e-5; tests/pipelines/test_linear_ce.py), the same autocast dtype for the matmul.
+full projection (fp32: within 1e-5; tests/pipelines/test_memory_levers.py), the same autocast dtype for the matmul.
 
 How the model computes it is set once per trial (`set_loss_chunk_rows`, by the engine's memory levers): a loss
 function reads it from the model it is given, so the plan, the warm-up, training and validation agree.
