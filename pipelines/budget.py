@@ -14,10 +14,15 @@ trained, not just how:
 
 Within a tier the plan with the highest predicted throughput wins: the fewest executed FLOPs per
 optimizer step (torch's FlopCounterMode on the same fake step: checkpointing's recompute and
-LoRA's skipped weight gradients show in it) divided by the precision's relative speed (on CUDA
-16-bit matmuls count 2x: the ratio of dense bf16 to TF32 peaks; on a CPU 1x, since autocast's bf16
-is not reliably faster there). Ties go to the larger micro-batch (fewer, fuller kernels), then to
-the fewest changes from the params as written.
+LoRA's skipped weight gradients show in it) divided by the precision's relative speed. On a card that is
+the ratio of its data-sheet dense peaks (`pipelines.gpu_profiles`: bf16 against TF32 when `tf32` is on, else
+against plain fp32: 14.8x on an H100). On a CPU, bf16 counts 2x where it is native (AVX-512 BF16 or AMX: ~2x
+measured in our CPU bench) and 1/17 where it is emulated (a MiniLM step took 17x as long on an AVX2 host).
+Ties go to the larger micro-batch (fewer, fuller kernels), then to the fewest changes from the params as written.
+
+The search runs for a `PlanTarget` (pipelines.plan_target): where the trial trains, or a named card from any
+machine (`python -m stages.plan`); 8-bit AdamW is offered on a card (planned by rule) when bitsandbytes is
+installed, or always when only planning.
 """
 
 from __future__ import annotations
@@ -29,8 +34,11 @@ from dataclasses import dataclass
 import torch
 
 from pipelines.errors import UserError
+from pipelines.gpu_profiles import gpu_profile
 from pipelines.memory_plan import MB, MemoryPlan
 from pipelines.params import Params, apply_overrides
+from pipelines.plan_target import PlanTarget, as_target
+from pipelines.runtime import cpu_has_fast_bf16
 
 Planner = Callable[[Params], MemoryPlan]
 
@@ -96,32 +104,41 @@ def largest_fitting_batch(params: Params, plan: Planner, budget: int) -> tuple[P
     return best
 
 
-def _precisions(device: torch.device) -> list[str]:
-    if device.type == "cuda":
-        return ["bf16" if torch.cuda.is_bf16_supported() else "fp16", "fp32"]
+def _precisions(target: PlanTarget) -> list[str]:
+    if target.card is not None:
+        return ["bf16" if target.card.bf16_flops is not None else "fp16", "fp32"]
     return ["fp32", "bf16"]
 
 
-def precision_speed(precision: str, device: torch.device) -> float:
-    """Relative matmul speed of a precision on this device (see the module docstring)."""
-    return 2.0 if device.type == "cuda" and precision in ("bf16", "fp16") else 1.0
+EMULATED_BF16_SLOWDOWN = 17.0  # runtime.emulated_bf16_warning's measurement (AVX2 host)
 
 
-def _checkpointing(device: torch.device) -> list[dict[str, object]]:
+def precision_speed(precision: str, where: PlanTarget | torch.device, tf32: bool | str = "auto") -> float:
+    """Relative matmul speed of a precision against fp32 on the target (see the module docstring)."""
+    target = as_target(where)
+    if target.card is None:
+        if precision == "fp32":
+            return 1.0
+        return 2.0 if cpu_has_fast_bf16() else 1.0 / EMULATED_BF16_SLOWDOWN
+    tf32_on = tf32 is True or (tf32 == "auto" and precision != "fp32")  # runtime.resolve_tf32's rule
+    return target.card.peak_flops(precision, tf32=tf32_on) / target.card.fp32_flops
+
+
+def _checkpointing(target: PlanTarget) -> list[dict[str, object]]:
     """Checkpointing settings from fastest to leanest: none, every 2nd block, every block (then offloaded)."""
     options: list[dict[str, object]] = [
         {"grad_checkpointing": False, "grad_checkpointing_every": 1},
         {"grad_checkpointing": True, "grad_checkpointing_every": 2},
         {"grad_checkpointing": True, "grad_checkpointing_every": 1},
     ]
-    if device.type == "cuda":
+    if target.card is not None:
         options.append({"grad_checkpointing": True, "grad_checkpointing_every": 1, "activation_offload": True})
     return options
 
 
-def _tiers(params: Params, device: torch.device, lora_allowed: bool) -> Iterator[list[dict[str, object]]]:
+def _tiers(params: Params, target: PlanTarget, lora_allowed: bool, planning: bool) -> Iterator[list[dict[str, object]]]:
     optimizers = ["adafactor"]
-    if device.type == "cuda" and importlib.util.find_spec("bitsandbytes") is not None:
+    if target.card is not None and (planning or importlib.util.find_spec("bitsandbytes") is not None):
         optimizers.append("adamw_8bit")
     lean = [{"optim": name} for name in optimizers if name != params.optim]
     yield [{}]
@@ -154,9 +171,21 @@ def memoized(plan: Planner) -> Planner:
     return cached
 
 
-def choose_strategy(params: Params, plan: Planner, device: torch.device, lora_allowed: bool = True) -> Choice:
-    """`strategy: auto`: the fastest predicted plan that fits `memory_budget`, from the earliest tier with one."""
-    budget = params.memory_budget
+def budget_bytes(params: Params) -> int | None:
+    """`memory_budget` in bytes: as written, or a GPU profile's memory less its reserve."""
+    if isinstance(params.memory_budget, str):
+        return gpu_profile(params.memory_budget).budget_bytes()
+    return params.memory_budget
+
+
+def choose_strategy(
+    params: Params, plan: Planner, where: PlanTarget | torch.device, lora_allowed: bool = True, planning: bool = False
+) -> Choice:
+    """`strategy: auto`: the fastest predicted plan that fits `memory_budget`, from the earliest tier with one.
+
+    `planning`: only planning (no training follows), so 8-bit AdamW is offered on a card without bitsandbytes."""
+    target = as_target(where)
+    budget = budget_bytes(params)
     plan = memoized(plan)
     assert budget is not None, "strategy: auto needs memory_budget (the schema says so)"
     # Refuse fast: every lever at its leanest (1 row per micro-batch, lean optimizer, LoRA), with
@@ -169,8 +198,8 @@ def choose_strategy(params: Params, plan: Planner, device: torch.device, lora_al
             (candidate, plan(candidate))
             for candidate in (
                 apply_overrides(params, {**lean, **_batch(params, 1), "precision": precision, **checkpointing})
-                for precision in _precisions(device)
-                for checkpointing in (_checkpointing(device)[0], _checkpointing(device)[-1])  # none, and leanest
+                for precision in _precisions(target)
+                for checkpointing in (_checkpointing(target)[0], _checkpointing(target)[-1])  # none, and leanest
             )
         ),
         key=lambda found: found[1].peak,
@@ -182,17 +211,17 @@ def choose_strategy(params: Params, plan: Planner, device: torch.device, lora_al
             f"({', '.join(_changes(params, leanest[0]))}) needs {describe(leanest[1])}. Raise memory_budget, "
             "shorten data.max_length, or use a smaller model"
         )
-    for tier, changes in enumerate(_tiers(params, device, lora_allowed)):
+    for tier, changes in enumerate(_tiers(params, target, lora_allowed, planning)):
         fits: list[tuple[float, int, int, Params, MemoryPlan]] = []
         for change in changes:
-            for precision in _precisions(device):
-                for checkpointing in _checkpointing(device):
+            for precision in _precisions(target):
+                for checkpointing in _checkpointing(target):
                     candidate = apply_overrides(params, {**change, "precision": precision, **checkpointing})
                     found = largest_fitting_batch(candidate, plan, budget)
                     if found is None:
                         continue
                     chosen, predicted = found
-                    seconds = predicted.step_flops / precision_speed(precision, device)
+                    seconds = predicted.step_flops / precision_speed(precision, target, params.tf32)
                     fits.append((seconds, chosen.grad_accum_steps, len(_changes(params, chosen)), chosen, predicted))
         if fits:
             seconds, _, _, chosen, predicted = min(fits, key=lambda fit: fit[:3])
@@ -205,17 +234,19 @@ def choose_strategy(params: Params, plan: Planner, device: torch.device, lora_al
     raise AssertionError("the leanest plan fits, so some tier has a plan that fits")
 
 
-def fit_to_budget(params: Params, plan: Planner, device: torch.device, lora_allowed: bool = True) -> Choice | None:
+def fit_to_budget(
+    params: Params, plan: Planner, where: PlanTarget | torch.device, lora_allowed: bool = True
+) -> Choice | None:
     """The params to train with under `memory_budget` (None without a budget); refuse what cannot fit.
 
     `strategy: manual` keeps the params (with `batch_size: auto`, the largest micro-batch that fits)
     and refuses them, before training, when their plan does not fit; `strategy: auto` chooses.
     """
-    budget = params.memory_budget
+    budget = budget_bytes(params)
     if budget is None:
         return None
     if params.strategy == "auto":
-        return choose_strategy(params, plan, device, lora_allowed)
+        return choose_strategy(params, plan, where, lora_allowed)
     if params.batch_size == "auto":
         found = largest_fitting_batch(params, plan, budget)
         if found is not None:

@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -36,10 +35,11 @@ from torch._subclasses.fake_tensor import (
 
 from pipelines.adapters import apply_adapter
 from pipelines.data.loader import make_loader
-from pipelines.data.tokenization import TOKENIZER_DIR, TokenizedSplit
+from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
-from pipelines.params import Params, apply_overrides
-from pipelines.qlora_plan import as_qlora
+from pipelines.params import Params
+from pipelines.plan_target import CPU_TARGET, PlanTarget
+from pipelines.qlora_plan import EightBitAdamWPlan, as_qlora
 from pipelines.runtime import ResolvedPrecision, resolve_pad_multiple
 from pipelines.tasks.base import Task
 from pipelines.train.eval_memory import largest_eval_batch, validation_peak
@@ -91,6 +91,7 @@ class MemoryPlan:
     model_flops: int = 0
     positions: int = 0
     eval_peak: int = 0  # validation's largest scoring batch, beside weights and optimizer state (train/eval_memory)
+    target: str = "cpu"  # the device modelled: cpu or a GPU profile (pipelines.plan_target)
 
     def as_metrics(self) -> dict[str, float]:
         """MLflow names: `predicted_*`, beside the measured `peak_train_memory_bytes` and its breakdown."""
@@ -176,15 +177,23 @@ def _step_and_model_flops(
 
 def _plan_qlora(
     params: Params, task: Task, train: TokenizedSplit, build_base: Callable[[], nn.Module], pad_id: int,
-    precision: ResolvedPrecision, device: torch.device,
+    precision: ResolvedPrecision, device: torch.device, target: PlanTarget,
 ) -> MemoryPlan:  # fmt: skip
     """QLoRA's plan: the same model with LoRA on the unquantized base, its quantized weights then at NF4 size."""
     as_lora = params.model_copy(update={"adapter": params.adapter.model_copy(update={"type": "lora"})})
     plan = plan_memory(as_lora, task, train, build_base, lambda m: apply_adapter(m, as_lora.adapter, task, as_lora),
-                       pad_id, precision, device)  # fmt: skip
+                       pad_id, precision, device, target)  # fmt: skip
     with FakeTensorMode(allow_non_fake_inputs=True):
         base = build_base()
     return as_qlora(plan, base, compute_bytes=2)  # bf16 compute (fp16 with precision: fp16): 2 bytes either way
+
+
+def _optimizer(params: Params, model: nn.Module) -> torch.optim.Optimizer:
+    """The trial's optimizer (8-bit AdamW by rule: bitsandbytes needs CUDA; see pipelines.qlora_plan)."""
+    lr = params.lr if params.lr != "auto" else 1e-3  # the rate does not change memory
+    if params.optim == "adamw_8bit":
+        return EightBitAdamWPlan([p for p in model.parameters() if p.requires_grad], lr)
+    return build_optimizer(params.optim, model, lr, params.weight_decay, CPU)
 
 
 def _all_fake(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
@@ -211,9 +220,9 @@ def _unavailable_on_failure(plan: Callable[..., MemoryPlan]) -> Callable[..., Me
     """
 
     @functools.wraps(plan)
-    def planned(params: Params, task: Task, *args: object) -> MemoryPlan:
+    def planned(params: Params, task: Task, *args: object, **kwargs: object) -> MemoryPlan:
         try:
-            return plan(params, task, *args)
+            return plan(params, task, *args, **kwargs)
         except (PlanUnavailable, UserError):
             raise
         except (DynamicOutputShapeException, DataDependentOutputException) as err:
@@ -253,16 +262,20 @@ def plan_memory(
     pad_id: int,
     precision: ResolvedPrecision,
     device: torch.device = CPU,
+    target: PlanTarget = CPU_TARGET,
 ) -> MemoryPlan:
-    """Predict the peak of one training step of `params` on `train`'s first (longest) window, in CPU bytes.
+    """Predict the peak of one training step of `params` on `train`'s first (longest) window, in bytes of `target`.
 
-    The batches are padded as the trial on `device` pads them (`data.pad_to_multiple_of` resolved there).
+    The batches are padded as the trial on `device` pads them (`data.pad_to_multiple_of` resolved there); a GPU
+    `target` trains on CUDA, and its rules apply to the step (`pipelines.plan_target`).
 
     `build_base` makes the model from its config under FakeTensorMode (no weight allocated or read), `adapt`
     applies the adapter outside it (peft builds its small weights for real); see `_unavailable_on_failure`.
     QLoRA: planned as LoRA, then adjusted by rule (`pipelines.qlora_plan`; bitsandbytes needs CUDA)."""
+    if target.card is not None:
+        device = target.device
     if params.adapter.type == "qlora":
-        return _plan_qlora(params, task, train, build_base, pad_id, precision, device)
+        return _plan_qlora(params, task, train, build_base, pad_id, precision, device, target)
     start = time.perf_counter()
     window, units, batches, all_positions = _first_window(params, task, train, pad_id, device)
     # The planned micro-batches stand for the whole window: FLOPs scale with its positions (read here: under
@@ -278,8 +291,7 @@ def plan_memory(
     with mode:
         model.train()
         apply_memory_levers(model, params, task, device, planning=True)  # as the trainer applies them
-        lr = params.lr if params.lr != "auto" else 1e-3  # the rate does not change memory
-        optimizer = build_optimizer(params.optim, model, lr, params.weight_decay, CPU)
+        optimizer = _optimizer(params, model)
         scaler = make_scaler(precision, CPU)
         trainable = [p for p in model.parameters() if p.requires_grad]
 
@@ -294,12 +306,13 @@ def plan_memory(
 
         # The engine's CPU dropout (its attention swap needs real outputs to check, so it is not tried here).
         dropout = fast_dropout(model) if params.fast_dropout and not params.compile else nullcontext()
-        with dropout:
+        with dropout, target.rules():
             peak = track_training_peak(model, optimizer, CPU, step)
             step_flops, model_flops = _step_and_model_flops(step, model, params.grad_checkpointing, scale)
         state = [v for kept in optimizer.state.values() for v in kept.values() if isinstance(v, torch.Tensor)]
         state = [v for v in state if v.numel() > 1]  # as the trial counts: moments and factors, not scalar steps
-        eval_peak = validation_peak(model, optimizer, eval_batch, precision, task)
+        with target.rules():
+            eval_peak = validation_peak(model, optimizer, eval_batch, precision, task)
     plan = MemoryPlan(
         peak=peak.total,
         parameters=_nbytes(list(model.parameters())),
@@ -314,6 +327,7 @@ def plan_memory(
         model_flops=model_flops,
         positions=all_positions,
         eval_peak=eval_peak,
+        target=target.name,
     )
     if params.distributed.strategy == "fsdp" and params.distributed.num_workers > 1:
         return plan.sharded(params.distributed.num_workers, fsdp_gathered_bytes(model))
@@ -321,58 +335,3 @@ def plan_memory(
 
 
 MB = 1024 * 1024
-
-
-def plan_variants(params: Params, root: Path, tokenized: Path) -> dict[str, MemoryPlan | str]:
-    """The plan of every variant of `tune.variants` (or of the params alone), on the tokenized train split.
-
-    A variant that cannot be planned gets the reason instead (a string), so one does not hide the others.
-    """
-    from transformers import AutoTokenizer
-
-    from pipelines.adapters import apply_adapter
-    from pipelines.runtime import resolve_precision
-    from pipelines.tasks import get_task
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenized / TOKENIZER_DIR)
-    train = TokenizedSplit.load(tokenized / "train")
-    base = params.model_copy(update={"tune": params.tune.model_copy(update={"variants": {}, "search_space": {}})})
-    variants = params.tune.variants or {"default": {}}
-    plans: dict[str, MemoryPlan | str] = {}
-    for name, overrides in variants.items():
-        variant = apply_overrides(base, dict(overrides))
-        task = get_task(variant.task)
-        try:
-            plans[name] = plan_memory(
-                variant,
-                task,
-                train,
-                lambda v=variant, t=task: t.build_model(v, tokenizer, tokenized, root, weights=False),
-                lambda model, v=variant, t=task: apply_adapter(model, v.adapter, t, v),
-                tokenizer.pad_token_id,
-                resolve_precision(variant, CPU),
-            )
-        except PlanUnavailable as err:
-            plans[name] = str(err)
-    return plans
-
-
-def plan_table(plans: dict[str, MemoryPlan | str]) -> str:
-    """The plans as a markdown table (MB), one row per variant."""
-    lines = [
-        "| Variant | Predicted peak | Parameters | Trainable | Gradients | Optimizer state | Activations | Batch "
-        "| Validation peak |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, plan in plans.items():
-        if isinstance(plan, str):
-            lines.append(f"| {name} | not planned: {plan} |  |  |  |  |  |  |  |")
-            continue
-        sizes = (plan.peak, plan.parameters, plan.trainable_parameters, plan.gradients, plan.optimizer_state)
-        cells = [f"{value / MB:,.1f} MB" for value in (*sizes, plan.activations)]
-        lines.append(
-            f"| {name} | "
-            + " | ".join(cells)
-            + f" | {plan.batch_rows} x {plan.batch_width} | {plan.eval_peak / MB:,.1f} MB |"
-        )
-    return "\n".join(lines)

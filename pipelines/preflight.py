@@ -21,7 +21,7 @@ from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.memory_plan import MemoryPlan, PlanUnavailable, plan_memory
 from pipelines.params import Params
-from pipelines.runtime import resolve_precision
+from pipelines.plan_target import PlanTarget, as_target
 from pipelines.tasks.base import Task
 from pipelines.train.batch_size import CPU_MEMORY_SHARE
 
@@ -41,9 +41,11 @@ class Preflight:
 
 def trial_planner(
     task: Task, train: TokenizedSplit, tokenizer: PreTrainedTokenizerBase, tokenized: Path, root: Path,
-    device: torch.device,
+    where: PlanTarget | torch.device,
 ) -> Planner:  # fmt: skip
-    """Plans of params for this trial's task and training split; the global RNG is left as it was."""
+    """Plans of params for this task and training split on a target (or where a device is); the global RNG is left
+    as it was."""
+    target = as_target(where)
 
     def plan(params: Params) -> MemoryPlan:
         rng = torch.get_rng_state()
@@ -55,8 +57,9 @@ def trial_planner(
                 lambda: task.build_model(params, tokenizer, tokenized, root, weights=False),
                 lambda model: apply_adapter(model, params.adapter, task, params),
                 int(tokenizer.pad_token_id),  # type: ignore[arg-type]
-                resolve_precision(params, device),
-                device,
+                target.precision(params),
+                target.device,
+                target,
             )
         finally:
             torch.set_rng_state(rng)
@@ -64,18 +67,19 @@ def trial_planner(
     return plan
 
 
-def plan_before_training(params: Params, plan: Planner, device: torch.device) -> Preflight:
+def plan_before_training(params: Params, plan: Planner, where: PlanTarget | torch.device) -> Preflight:
     """Apply the budget and strategy, size `batch_size: auto` on CPU by the plan; plan what will train.
 
     Without a budget, `batch_size: auto` on CPU keeps the largest micro-batch whose plan fits a
     share of the available RAM; on CUDA it stays with the real probe (`resolve_batch_size`),
     which also sees the allocator's rounding and the CUDA context that a plan does not count.
     """
+    target = as_target(where)
     try:
-        choice = fit_to_budget(params, plan, device)
+        choice = fit_to_budget(params, plan, target)
         if choice is not None:
             return Preflight(choice.params, choice.plan, choice.why)
-        if params.batch_size == "auto" and device.type == "cpu":
+        if params.batch_size == "auto" and target.card is None:
             budget = int(psutil.virtual_memory().available * CPU_MEMORY_SHARE)
             found = largest_fitting_batch(params, plan, budget)
             if found is None:

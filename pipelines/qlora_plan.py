@@ -10,12 +10,18 @@ Which layers: every `nn.Linear` but those transformers keeps in full precision (
 output head, tied weights, the last module; and the class's `_keep_in_fp32_modules`). In the step each quantized
 layer is de-quantized to the compute dtype for its matmul, one at a time: the largest such weight is added to
 the peak as a temporary. Gradients and optimizer state are LoRA's, unchanged.
+
+`optim: adamw_8bit` is planned the same way, by rule (`EightBitAdamWPlan`): bitsandbytes' AdamW8bit keeps both
+moments in 8 bits (one byte each per weight) with one fp32 absmax per block of 256 weights per moment, for
+tensors of at least 4,096 weights (`min_8bit_size`); smaller tensors keep fp32 moments. Its step is one fused
+kernel per tensor, which allocates nothing beside the state.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 from torch import nn
 
 NF4_BLOCK = 64  # weights per absmax
@@ -50,3 +56,45 @@ def as_qlora(plan: object, base: nn.Module, compute_bytes: int) -> object:
     temporary = max((layer.weight.numel() * compute_bytes for layer in layers), default=0)
     saved = full - packed
     return replace(plan, peak=plan.peak - saved + temporary, parameters=plan.parameters - saved)  # type: ignore[type-var]
+
+
+EIGHT_BIT_BLOCK = 256  # weights per absmax of each 8-bit moment
+MIN_8BIT_SIZE = 4096  # bitsandbytes' min_8bit_size: smaller tensors keep fp32 moments
+
+
+class EightBitAdamWPlan(torch.optim.Optimizer):
+    """AdamW8bit's state sizes and allocation-free step, for the plan (bitsandbytes needs CUDA). The update is
+    a plain SGD step: only its memory matters on fake tensors."""
+
+    def __init__(self, params: object, lr: float) -> None:
+        super().__init__(params, {"lr": lr})  # type: ignore[arg-type]
+
+    @staticmethod
+    def _fresh_state(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        if weight.numel() < MIN_8BIT_SIZE:
+            return {"exp_avg": torch.zeros_like(weight), "exp_avg_sq": torch.zeros_like(weight)}
+        blocks = -(-weight.numel() // EIGHT_BIT_BLOCK)
+        moment = {"dtype": torch.uint8, "device": weight.device}
+        scale = {"dtype": torch.float32, "device": weight.device}
+        return {
+            "state1": torch.zeros(weight.shape, **moment), "state2": torch.zeros(weight.shape, **moment),  # type: ignore[arg-type]
+            "absmax1": torch.zeros(blocks, **scale), "absmax2": torch.zeros(blocks, **scale),  # type: ignore[arg-type]
+        }  # fmt: skip
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:  # type: ignore[override]
+        """Create the state on first use, then update each weight in place."""
+        for group in self.param_groups:
+            for weight in group["params"]:
+                if weight.grad is None:
+                    continue
+                if not self.state[weight]:
+                    self.state[weight] = self._fresh_state(weight)
+                weight.add_(weight.grad, alpha=-group["lr"])
+
+
+def eight_bit_state_bytes(numel: int) -> int:
+    """AdamW8bit's state bytes for one tensor of `numel` weights (fp32 weights below `MIN_8BIT_SIZE`)."""
+    if numel < MIN_8BIT_SIZE:
+        return 8 * numel
+    return 2 * numel + 2 * 4 * -(-numel // EIGHT_BIT_BLOCK)

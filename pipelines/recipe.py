@@ -29,6 +29,7 @@ from pipelines.memory_plan import MemoryPlan
 from pipelines.model import set_attention
 from pipelines.model_card import pretrained_base, record_adapter_base, set_model_max_length, write_model_card
 from pipelines.params import Params
+from pipelines.plan_target import trial_target
 from pipelines.preflight import Preflight, plan_before_training, plan_or_none, trial_planner
 from pipelines.progress import TrialProgress
 from pipelines.runtime import (
@@ -178,11 +179,15 @@ def set_up(trial: Trial, params: Params, device: torch.device | None) -> Setup:
     model = set_attention(task.build_model(params, tokenizer, tokenized, root), params.model)
     train = task.training_split(TokenizedSplit.load(tokenized / "train"), params, model)  # packed, if asked
     # Before any training: the memory plan, the budget and strategy (which may change the params).
-    planner = trial_planner(task, train, tokenizer, tokenized, root, device)
-    preflight = plan_before_training(params, planner, device)
+    target, elsewhere = trial_target(params, device)
+    planner = trial_planner(task, train, tokenizer, tokenized, root, target)
+    preflight = plan_before_training(params, planner, target)
     params = preflight.params
-    if preflight.unavailable is not None and trial.rank == 0:
-        trial.say(f"no memory plan for {preflight.unavailable}; training without one")
+    if trial.rank == 0:
+        for line in (elsewhere, preflight.unavailable and f"no memory plan for {preflight.unavailable}; training "
+                     "without one"):  # fmt: skip
+            if line:
+                trial.say(line)
     precision = resolve_precision(params, device)
     slow_bf16 = emulated_bf16_warning(precision, device)
     if slow_bf16 and trial.rank == 0:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
 from typing import Literal
 
 import torch
@@ -101,11 +103,31 @@ def _check_worker_gpus(params: Params) -> None:
     )
 
 
+# The memory plan of a GPU target swaps in CUDA's autocast rules on the CPU (`pipelines.cuda_plan`), for the step
+# it runs: every autocast region of the task's code then follows them, with no CUDA-specific branch in the tasks.
+_AUTOCAST_RULES: ContextVar[Callable[[torch.dtype], AbstractContextManager[object]] | None] = ContextVar(
+    "autocast_rules", default=None
+)
+
+
+@contextmanager
+def autocast_rules(region: Callable[[torch.dtype], AbstractContextManager[object]]) -> Iterator[None]:
+    """Within this context, `autocast_context` opens `region(dtype)` instead of torch's autocast."""
+    token = _AUTOCAST_RULES.set(region)
+    try:
+        yield
+    finally:
+        _AUTOCAST_RULES.reset(token)
+
+
 def autocast_context(precision: ResolvedPrecision, device: torch.device) -> AbstractContextManager[object]:
     """Autocast for fp16/bf16; a no-op context for fp32 (nanoGPT's pattern)."""
     if precision == "fp32":
         return nullcontext()
     dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+    rules = _AUTOCAST_RULES.get()
+    if rules is not None:
+        return rules(dtype)
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 

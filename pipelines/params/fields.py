@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, PlainValidator
 from pydantic_core import PydanticCustomError
 
+from pipelines.gpu_profiles import GPU_PROFILES
 from pipelines.task_registry import TASKS
 
 Optimizer = Literal["adamw", "adafactor", "adamw_8bit", "lion", "sgd"]
@@ -59,6 +60,35 @@ def parse_bytes(value: Any) -> int | None:
 
 
 Bytes = Annotated[int | None, PlainValidator(parse_bytes, json_schema_input_type=int | str | None)]
+
+
+def _budget(value: Any) -> int | str | None:
+    if isinstance(value, str) and value in GPU_PROFILES:
+        return value
+    try:
+        return parse_bytes(value)
+    except PydanticCustomError:
+        raise PydanticCustomError(
+            "memory_budget",
+            "must be null, a positive number of bytes, a size with a unit (B, KB, MB, GB, TB: powers of 1000; "
+            "KiB, MiB, GiB, TiB: powers of 1024; e.g. '8GB'), or a GPU profile: {cards}",
+            {"cards": ", ".join(GPU_PROFILES)},
+        ) from None
+
+
+# Bytes, or a GPU profile's name (the card's memory less its reserve: pipelines.gpu_profiles).
+MemoryBudget = Annotated[int | str | None, PlainValidator(_budget, json_schema_input_type=int | str | None)]
+
+
+def _target_device(value: Any) -> str:
+    if value in ("auto", "cpu") or value in GPU_PROFILES:
+        return value
+    raise PydanticCustomError(
+        "target_device", "must be auto, cpu or a GPU profile: {cards}", {"cards": ", ".join(GPU_PROFILES)}
+    )
+
+
+TargetDevice = Annotated[str, PlainValidator(_target_device, json_schema_input_type=str)]
 
 
 def _lr(value: Any) -> float | str:

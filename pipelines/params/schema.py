@@ -9,13 +9,14 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, Pos
 from pipelines.params.errors import ParamsError, inner_problems
 from pipelines.params.fields import (
     BatchSize,
-    Bytes,
     DeviceName,
     LearningRate,
     LrSchedule,
+    MemoryBudget,
     Optimizer,
     Precision,
     StrictModel,
+    TargetDevice,
     TaskName,
 )
 from pipelines.params.overrides import apply_overrides
@@ -79,9 +80,11 @@ class Params(StrictModel):
         "(see lr_range_test; with lr_schedule: onecycle it is the cycle's maximum)."
     )
     lr_range_test: LrRangeTestParams = Field(description="The sweep `lr: auto` runs before training.")
-    memory_budget: Bytes = Field(
-        description="Training memory a trial may use (bytes, or e.g. '8GB', '8GiB'); null: no budget. A trial whose "
-        "memory plan does not fit is refused before training; with strategy: auto the fastest plan that fits is chosen."
+    memory_budget: MemoryBudget = Field(
+        description="Training memory a trial may use (bytes, or e.g. '8GB', '8GiB'), or a GPU profile's name "
+        "(e.g. A100-40GB: the card's memory less the CUDA context and allocator reserve); null: no budget. A trial "
+        "whose memory plan does not fit is refused before training; with strategy: auto the fastest plan that fits "
+        "is chosen."
     )
     strategy: Literal["manual", "auto"] = Field(
         description="manual: train with the params as written; auto (needs memory_budget): choose precision, "
@@ -96,6 +99,11 @@ class Params(StrictModel):
     weight_decay: NonNegativeFloat = Field(description="Decoupled weight decay (not on biases and norms).")
     max_grad_norm: PositiveFloat | None = Field(description="Clip the global gradient norm to this; null to skip.")
     device: DeviceName = Field(description="auto picks CUDA when present, else CPU.")
+    target_device: TargetDevice = Field(
+        description="The device the memory plan models: auto (where the run trains), cpu, or a GPU profile "
+        "(H100-80GB, H200, A100-40GB, A100-80GB, L4, A10G, T4, RTX4090) to plan a CUDA run from any machine "
+        "(`python -m stages.plan`); a trial's own plan models where it trains."
+    )
     num_workers: NonNegativeInt = Field(description="DataLoader worker processes.")
     persistent_workers: bool = Field(
         description="Keep DataLoader workers alive between epochs (needs num_workers > 0)."

@@ -78,18 +78,19 @@ def test_a_packed_causal_lm_is_planned_on_its_packs(default_params):
 
 
 def test_every_variant_is_planned_from_the_tokenized_split(default_params, tmp_path):
-    from pipelines.memory_plan import plan_table, plan_variants
+    from pipelines.plan_report import plan_targets, target_table
+    from pipelines.plan_target import CPU_TARGET
     from pipelines.prepare import prepare_dataset
 
     variants = {"vanilla": {}, "adafactor": {"optim": "adafactor"}, "checkpointing": {"grad_checkpointing": True}}
     params = tiny_params(default_params, **{"data.generator.num_rows": 600, "tune.variants": variants})
     prepare_dataset(params, tmp_path, tmp_path / "tokenized")
-    plans = plan_variants(params, tmp_path, tmp_path / "tokenized")
+    plans = plan_targets(params, tmp_path, tmp_path / "tokenized", [CPU_TARGET])["cpu"]
     assert list(plans) == list(variants)
-    vanilla, adafactor, checkpointing = plans.values()
+    vanilla, adafactor, checkpointing = (entry.plan for entry in plans.values())
     assert adafactor.optimizer_state < vanilla.optimizer_state / 10
     assert checkpointing.activations < vanilla.activations and checkpointing.peak < vanilla.peak
-    table = plan_table(plans)
+    table = target_table("cpu", plans)
     assert all(f"| {name} |" in table for name in variants)
 
 

@@ -1,0 +1,115 @@
+"""Which device a memory plan models (`target_device`), and that device's rules around the fake step.
+
+`target_device: auto` is where the run trains: the CPU, or the card CUDA shows (its profile when listed in
+`pipelines.gpu_profiles`, else one read from the device's properties). A card's name plans for that card from
+any machine: `python -m stages.plan` and `memory_budget: <card>` use it before a GPU is rented. A trial's
+own plan always models where it trains, since its `predicted_*` stand beside its measured peak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from pipelines.cuda_plan import CudaAttention, allocation_rounding, cuda_autocast
+from pipelines.errors import UserError
+from pipelines.gpu_profiles import GPU_PROFILES, GpuProfile, gpu_profile, profile_for_device
+from pipelines.params import Params
+from pipelines.runtime import ResolvedPrecision, autocast_rules, cpu_has_fast_bf16
+
+CUDA = torch.device("cuda")
+CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class PlanTarget:
+    """The device a plan models: the CPU (`card` None) or a GPU card."""
+
+    card: GpuProfile | None = None
+
+    @property
+    def name(self) -> str:
+        """`cpu` or the card's profile name."""
+        return "cpu" if self.card is None else self.card.name
+
+    @property
+    def device(self) -> torch.device:
+        """The device type the modelled run trains on (padding, levers and precision are resolved for it)."""
+        return CPU if self.card is None else CUDA
+
+    def precision(self, params: Params) -> ResolvedPrecision:
+        """`precision` resolved as a run on the target would resolve it; bf16 on a card without it is refused."""
+        if self.card is None:
+            if params.precision == "auto":
+                return "bf16" if cpu_has_fast_bf16() else "fp32"
+            return params.precision
+        has_bf16 = self.card.bf16_flops is not None
+        if params.precision == "auto":
+            return "bf16" if has_bf16 else "fp16"
+        if params.precision == "bf16" and not has_bf16:
+            raise UserError(f"precision = 'bf16' but target_device {self.card.name} has no bf16; use fp16 or fp32")
+        return params.precision
+
+    @contextmanager
+    def rules(self) -> Iterator[None]:
+        """Around the fake step: the card's autocast casts, SDPA backend and allocation rounding (none on CPU)."""
+        if self.card is None:
+            yield
+            return
+        with ExitStack() as stack:
+            stack.enter_context(allocation_rounding())
+            stack.enter_context(autocast_rules(cuda_autocast))
+            stack.enter_context(CudaAttention(self.card))
+            yield
+
+
+CPU_TARGET = PlanTarget()
+
+
+def target_named(name: str) -> PlanTarget:
+    """`cpu` or a GPU profile's name (unknown names are refused listing the known ones)."""
+    if name == "cpu":
+        return CPU_TARGET
+    try:
+        return PlanTarget(gpu_profile(name))
+    except ValueError as err:
+        raise UserError(f"target_device: {err}") from None
+
+
+def visible_card() -> GpuProfile:
+    """The profile of the CUDA device in use: listed by name, else read from its properties (relative peaks:
+    16-bit counted 2x fp32, as the data sheets of every listed card from Ampere on have it)."""
+    properties = torch.cuda.get_device_properties(torch.cuda.current_device())
+    listed = profile_for_device(properties.name)
+    if listed is not None:
+        return listed
+    capability = (properties.major, properties.minor)
+    bf16 = 2.0 if capability >= (8, 0) else None
+    return GpuProfile(properties.name, properties.total_memory, capability, 1.0, None, bf16, 2.0)
+
+
+def trial_target(params: Params, device: torch.device) -> tuple[PlanTarget, str | None]:
+    """What a trial training on `device` plans for, and a note when `target_device` names something else."""
+    target = CPU_TARGET if device.type == "cpu" else PlanTarget(visible_card())
+    wanted = params.target_device
+    if wanted in ("auto", target.name):
+        return target, None
+    return target, (
+        f"target_device {wanted}: this trial trains on {target.name}, so its plan models {target.name} (its "
+        f"predicted_* stand beside its measured peak); `python -m stages.plan` plans for {wanted}"
+    )
+
+
+def known_targets() -> list[str]:
+    """Every name `target_device` accepts besides auto."""
+    return ["cpu", *GPU_PROFILES]
+
+
+def as_target(where: PlanTarget | torch.device) -> PlanTarget:
+    """A target as given, or the one a run on `where` trains on (the CPU, or the visible card)."""
+    if isinstance(where, PlanTarget):
+        return where
+    return CPU_TARGET if where.type == "cpu" else PlanTarget(visible_card())
