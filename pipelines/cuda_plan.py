@@ -72,21 +72,37 @@ def _map_tensors(value: Any, cast: Any) -> Any:
 
 
 class CudaAutocast(TorchFunctionMode):
-    """CUDA autocast's casts, inside a CPU autocast region (which marks where autocast is on, and is switched off
-    for the op itself, so CPU's lists do not apply on top). Cast leaf weights are cached for the region."""
+    """CUDA autocast's casts wherever CPU autocast is on (which marks where autocast is, in the task's regions and in
+    checkpointing's recompute alike; it is switched off for the op itself, so CPU's lists do not apply on top).
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    Inside a `region` (the task's forward) leaf weights are cast once and the casts kept until the region ends, as
+    CUDA's cast cache does; elsewhere (a checkpointed block's recompute) each use casts anew."""
+
+    def __init__(self) -> None:
         super().__init__()
-        self.dtype = dtype
+        self.regions = 0
         self.cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    @contextmanager
+    def region(self, dtype: torch.dtype) -> Iterator[None]:
+        """An autocast region to `dtype`; the weight casts it cached are dropped when the outermost one ends."""
+        self.regions += 1
+        try:
+            with torch.autocast("cpu", dtype=dtype):
+                yield
+        finally:
+            self.regions -= 1
+            if not self.regions:
+                self.cache.clear()
+
     def _to_lower(self, tensor: torch.Tensor) -> torch.Tensor:
-        if not tensor.is_floating_point() or tensor.dtype in (self.dtype, torch.float64):
+        dtype = torch.get_autocast_dtype("cpu")
+        if not tensor.is_floating_point() or tensor.dtype in (dtype, torch.float64):
             return tensor
-        cacheable = tensor.dtype == torch.float32 and tensor.requires_grad and tensor.is_leaf
+        cacheable = self.regions and tensor.dtype == torch.float32 and tensor.requires_grad and tensor.is_leaf
         if cacheable and id(tensor) in self.cache:
             return self.cache[id(tensor)][1]
-        cast = tensor.to(self.dtype)
+        cast = tensor.to(dtype)
         if cacheable:
             self.cache[id(tensor)] = (tensor, cast)  # the source is kept too, so its id is not reused
         return cast
@@ -97,7 +113,7 @@ class CudaAutocast(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = dict(kwargs or {})
-        if not torch.is_autocast_enabled("cpu"):  # a region that turned autocast off (the chunked loss's fp32 parts)
+        if not torch.is_autocast_enabled("cpu"):  # fp32, or a region that turned autocast off (the chunked loss)
             return func(*args, **kwargs)
         if func in LOWER_PRECISION or func is F.scaled_dot_product_attention:
             args, kwargs = _map_tensors(args, self._to_lower), _map_tensors(kwargs, self._to_lower)
@@ -106,19 +122,18 @@ class CudaAutocast(TorchFunctionMode):
         elif func in FP32_OUTPUT and kwargs.get("dtype") is None:
             if any(isinstance(a, torch.Tensor) and a.dtype in _SIXTEEN_BIT for a in args[:1]):
                 kwargs["dtype"] = torch.float32
-        enabled = torch.is_autocast_enabled("cpu")
         torch.set_autocast_enabled("cpu", False)
         try:
             return func(*args, **kwargs)
         finally:
-            torch.set_autocast_enabled("cpu", enabled)
+            torch.set_autocast_enabled("cpu", True)
 
 
 @contextmanager
-def cuda_autocast(dtype: torch.dtype) -> Iterator[None]:
-    """An autocast region as CUDA runs it (see the module docstring); the cast-weight cache ends with it."""
-    with torch.autocast("cpu", dtype=dtype), CudaAutocast(dtype):
-        yield
+def cuda_autocast(dtype: torch.dtype) -> Iterator[CudaAutocast]:
+    """One autocast region as CUDA runs it (see the module docstring), for code outside a plan."""
+    with CudaAutocast() as mode, mode.region(dtype):
+        yield mode
 
 
 def sdpa_backend(card: GpuProfile, dtype: torch.dtype, head_dim: int, masked: bool) -> str:

@@ -74,7 +74,7 @@ GPU_PROFILES: dict[str, GpuProfile] = {
         _card("A100-40GB", 40_960, (8, 0), 19.5, 156.0, 312.0, 312.0),  # SXM4
         _card("A100-80GB", 81_920, (8, 0), 19.5, 156.0, 312.0, 312.0),
         _card("L4", 23_034, (8, 9), 30.3, 60.0, 121.0, 121.0),
-        _card("A10G", 23_028, (8, 6), 31.2, 62.5, 125.0, 125.0),  # the A10's data sheet (AWS's A10G: same chip)
+        _card("A10G", 23_028, (8, 6), 31.2, 35.0, 70.0, 70.0),  # AWS's A10 variant: half the A10's tensor rate
         _card("T4", 15_360, (7, 5), 8.1, None, None, 65.0),
         _card("RTX4090", 24_564, (8, 9), 82.6, 82.6, 165.2, 165.2),  # fp32 accumulate
     )

@@ -42,7 +42,7 @@ from pipelines.plan_target import CPU_TARGET, PlanTarget
 from pipelines.qlora_plan import EightBitAdamWPlan, as_qlora
 from pipelines.runtime import ResolvedPrecision, resolve_pad_multiple
 from pipelines.tasks.base import Task
-from pipelines.train.eval_memory import largest_eval_batch, validation_peak
+from pipelines.train.eval_memory import generation_peak, largest_eval_batch, validation_peak
 from pipelines.train.fast_dropout import fast_dropout
 from pipelines.train.flops import flop_counter
 from pipelines.train.memory import track_training_peak
@@ -91,6 +91,7 @@ class MemoryPlan:
     model_flops: int = 0
     positions: int = 0
     eval_peak: int = 0  # validation's largest scoring batch, beside weights and optimizer state (train/eval_memory)
+    generation_peak: int = 0  # the evaluate stage's largest generation batch, beside the weights (train/eval_memory)
     target: str = "cpu"  # the device modelled: cpu or a GPU profile (pipelines.plan_target)
 
     def as_metrics(self) -> dict[str, float]:
@@ -106,6 +107,7 @@ class MemoryPlan:
             "predicted_step_flops": float(self.step_flops),
             "model_flops_per_step": float(self.model_flops),
             "predicted_eval_peak_bytes": float(self.eval_peak),
+            "predicted_generation_peak_bytes": float(self.generation_peak),
         }
 
     def model_flops_per_position(self) -> float:
@@ -196,6 +198,26 @@ def _optimizer(params: Params, model: nn.Module) -> torch.optim.Optimizer:
     return build_optimizer(params.optim, model, lr, params.weight_decay, CPU)
 
 
+def _fake_model(
+    mode: FakeTensorMode, seed: int, build_base: Callable[[], nn.Module], adapt: Callable[[nn.Module], nn.Module]
+) -> nn.Module:
+    """The model built under `mode` (no weight allocated or read), adapted, its adapter's real weights made fake."""
+    with mode:
+        torch.manual_seed(seed)
+        model = build_base()
+    return _all_fake(adapt(model), mode)
+
+
+def _evaluation_peaks(
+    model: nn.Module, optimizer: torch.optim.Optimizer, eval_batch: dict[str, torch.Tensor], train: TokenizedSplit,
+    params: Params, task: Task, precision: ResolvedPrecision,
+) -> tuple[int, int]:  # fmt: skip
+    """Validation's largest scoring batch beside the optimizer state, and the evaluate stage's generation."""
+    validation = validation_peak(model, optimizer, eval_batch, precision, task)
+    probe = task.generation_probe(train, params)
+    return validation, 0 if probe is None else generation_peak(model, probe, precision)
+
+
 def _all_fake(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
     """Swap the real tensors `adapt` created (LoRA weights) for fake ones: mixing both corrupts the heap at exit."""
     for module in model.modules():
@@ -284,13 +306,11 @@ def plan_memory(
     # Validation's largest scoring batch, collated on the host as the trial collates it (not under fake mode).
     eval_batch = largest_eval_batch(train, params, task, pad_id, resolve_pad_multiple(params, device))
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        torch.manual_seed(params.seed)
-        model = build_base()
-    model = _all_fake(adapt(model), mode)
+    model = _fake_model(mode, params.seed, build_base, adapt)
     with mode:
         model.train()
-        apply_memory_levers(model, params, task, device, planning=True)  # as the trainer applies them
+        recompute = target.recompute_context if target.card is not None else None
+        apply_memory_levers(model, params, task, device, planning=True, recompute_context=recompute)  # as trained
         optimizer = _optimizer(params, model)
         scaler = make_scaler(precision, CPU)
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -312,7 +332,7 @@ def plan_memory(
         state = [v for kept in optimizer.state.values() for v in kept.values() if isinstance(v, torch.Tensor)]
         state = [v for v in state if v.numel() > 1]  # as the trial counts: moments and factors, not scalar steps
         with target.rules():
-            eval_peak = validation_peak(model, optimizer, eval_batch, precision, task)
+            eval_peak, generation = _evaluation_peaks(model, optimizer, eval_batch, train, params, task, precision)
     plan = MemoryPlan(
         peak=peak.total,
         parameters=_nbytes(list(model.parameters())),
@@ -327,6 +347,7 @@ def plan_memory(
         model_flops=model_flops,
         positions=all_positions,
         eval_peak=eval_peak,
+        generation_peak=generation,
         target=target.name,
     )
     if params.distributed.strategy == "fsdp" and params.distributed.num_workers > 1:

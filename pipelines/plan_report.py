@@ -54,33 +54,41 @@ def plan_targets(
     for target in targets:
         out[target.name] = {}
         for name, variant in variants.items():
-            planner = trial_planner(get_task(variant.task), train, tokenizer, tokenized, root, target)
+            task = get_task(variant.task)
+            rows = task.training_split(train, variant, None)  # a packed run's packs, as its trial makes them
+            planner = trial_planner(task, rows, tokenizer, tokenized, root, target)
             out[target.name][name] = _on_target(variant, planner, target, fastest)
     return out
 
 
 def _on_target(variant: Params, planner: object, target: PlanTarget, fastest: bool) -> TargetPlan:
+    card = target.card
+    budget = card.name if card is not None else variant.memory_budget
+    best = _fastest(variant, planner, target, budget) if fastest and budget is not None else None
     try:
         precision = target.precision(variant)
         plan = planner(variant)  # type: ignore[operator]
-    except (PlanUnavailable, UserError) as err:
-        return TargetPlan(None, variant.precision, unavailable=str(err))
-    card = target.card
-    if card is None and variant.memory_budget is None:
-        return TargetPlan(plan, precision)
+    except (PlanUnavailable, UserError) as err:  # e.g. bf16 on a T4: the fastest fitting configuration still says
+        return TargetPlan(None, variant.precision, fastest=best, unavailable=str(err))
     if card is not None:
-        reserve, fits, budget = card.reserve_bytes(plan.peak), card.fits(plan.peak), card.name
-    else:
-        reserve, fits, budget = None, plan.peak <= _bytes(variant), variant.memory_budget
-    if not fastest:
-        return TargetPlan(plan, precision, reserve, fits)
-    auto = apply_overrides(variant, {"memory_budget": budget, "strategy": "auto"})
+        return TargetPlan(plan, precision, card.reserve_bytes(plan.peak), card.fits(plan.peak), best)
+    fits = None if variant.memory_budget is None else plan.peak <= _bytes(variant)
+    return TargetPlan(plan, precision, None, fits, best)
+
+
+def _fastest(variant: Params, planner: object, target: PlanTarget, budget: int | str) -> str:
+    """`strategy: auto`'s choice against `budget` on the target, or why nothing fits (a precision the card lacks is
+    left to the search: it tries the card's 16-bit and fp32)."""
+    changes: dict[str, object] = {"memory_budget": budget, "strategy": "auto"}
     try:
-        choice = choose_strategy(auto, planner, target, planning=True)  # type: ignore[arg-type]
-        best = choice.why
-    except UserError as err:
-        best = f"none fits: {err}"
-    return TargetPlan(plan, precision, reserve, fits, best)
+        target.precision(variant)
+    except UserError:
+        changes["precision"] = "auto"
+    auto = apply_overrides(variant, changes)
+    try:
+        return choose_strategy(auto, planner, target, planning=True).why  # type: ignore[arg-type]
+    except (PlanUnavailable, UserError) as err:
+        return f"none fits: {err}"
 
 
 def _bytes(params: Params) -> int:
@@ -99,22 +107,24 @@ def target_table(name: str, plans: dict[str, TargetPlan]) -> str:
         f"Target: {name}",
         "",
         "| Variant | Precision | Predicted peak | Reserve | Fits | Parameters | Trainable | Gradients "
-        "| Optimizer state | Activations | Batch | Validation peak |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| Optimizer state | Activations | Batch | Validation peak | Generation peak |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     notes = []
     for variant, entry in plans.items():
         plan = entry.plan
         if plan is None:
-            lines.append(f"| {variant} | {entry.precision} | not planned: {entry.unavailable} |" + "  |" * 9)
+            lines.append(f"| {variant} | {entry.precision} | not planned: {entry.unavailable} |" + "  |" * 10)
+            notes += [f"- {variant}, fastest that fits: {entry.fastest}"] if entry.fastest else []
             continue
         fits = "—" if entry.fits is None else "yes" if entry.fits else "no"
         sizes = (plan.peak, entry.reserve, None, plan.parameters, plan.trainable_parameters, plan.gradients,
                  plan.optimizer_state, plan.activations)  # fmt: skip
         cells = [fits if i == 2 else _size(value) for i, value in enumerate(sizes)]
+        evaluation = f"{_size(plan.eval_peak)} | {_size(plan.generation_peak or None)}"
         lines.append(
             f"| {variant} | {entry.precision} | " + " | ".join(cells)
-            + f" | {plan.batch_rows} x {plan.batch_width} | {_size(plan.eval_peak)} |"
+            + f" | {plan.batch_rows} x {plan.batch_width} | {evaluation} |"
         )  # fmt: skip
         if entry.fastest:
             notes.append(f"- {variant}, fastest that fits: {entry.fastest}")

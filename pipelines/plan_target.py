@@ -9,12 +9,12 @@ own plan always models where it trains, since its `predicted_*` stand beside its
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
-from pipelines.cuda_plan import CudaAttention, allocation_rounding, cuda_autocast
+from pipelines.cuda_plan import CudaAttention, CudaAutocast, allocation_rounding
 from pipelines.errors import UserError
 from pipelines.gpu_profiles import GPU_PROFILES, GpuProfile, gpu_profile, profile_for_device
 from pipelines.params import Params
@@ -59,10 +59,25 @@ class PlanTarget:
         if self.card is None:
             yield
             return
+        autocast = CudaAutocast()
         with ExitStack() as stack:
             stack.enter_context(allocation_rounding())
-            stack.enter_context(autocast_rules(cuda_autocast))
             stack.enter_context(CudaAttention(self.card))
+            stack.enter_context(autocast)  # innermost: it casts, then attention routes the cast call
+            stack.enter_context(autocast_rules(autocast.region))
+            yield
+
+    def recompute_context(self) -> tuple[AbstractContextManager[object], AbstractContextManager[object]] | None:
+        """torch checkpoint's `context_fn` for this target's plan: the card's rules again in the recompute, which
+        runs in backward without the forward's torch-function modes (None on the CPU)."""
+        if self.card is None:
+            return None
+        return nullcontext(), self._recompute_rules()
+
+    @contextmanager
+    def _recompute_rules(self) -> Iterator[None]:
+        assert self.card is not None
+        with CudaAttention(self.card), CudaAutocast():  # no region: the recompute casts without a cache
             yield
 
 

@@ -9,9 +9,10 @@ normalize over a whole window, and how a split is scored during and after traini
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import pandas as pd
@@ -55,6 +56,17 @@ class Encoded:
 
     split: TokenizedSplit
     truncated: int
+
+
+@dataclass(frozen=True)
+class GenerationProbe:
+    """Generation's memory in two forwards: the prefill of the largest batch (which makes the key/value cache),
+    then, with the cache grown by `new_tokens` positions, the last decoding step (`step(prefill output, cache)`
+    gives its inputs). Values do not matter: the plan runs them on fake tensors."""
+
+    prefill: dict[str, Any]
+    step: Callable[[Any, Any], dict[str, Any]]
+    new_tokens: int
 
 
 class Task(ABC):
@@ -147,8 +159,10 @@ class Task(ABC):
     ) -> PadCollator:
         """Rows -> a padded batch with this task's `labels`."""
 
-    def training_split(self, split: TokenizedSplit, params: Params, model: nn.Module) -> TokenizedSplit:
-        """The rows training iterates over (a causal LM's packs with data.packing); returns `split` when already so."""
+    def training_split(self, split: TokenizedSplit, params: Params, model: nn.Module | None) -> TokenizedSplit:
+        """The rows training iterates over (a causal LM's packs with data.packing); returns `split` when already so.
+
+        `model` None: the rows alone, without the checks a trial makes on its real model (the plan stage)."""
         return split
 
     @abstractmethod
@@ -162,6 +176,11 @@ class Task(ABC):
     @abstractmethod
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of the batch's loss terms in fp32, number of terms) for a batch on the model's device."""
+
+    def generation_probe(self, split: TokenizedSplit, params: Params) -> GenerationProbe | None:
+        """What the memory plan runs for the evaluate stage's largest generation batch, or None for a task that
+        does not generate (`pipelines.train.eval_memory.generation_peak`)."""
+        return None
 
     @abstractmethod
     def probe_labels(self, input_ids: torch.Tensor) -> torch.Tensor:

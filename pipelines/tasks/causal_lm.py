@@ -18,6 +18,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from pipelines.data.batching import PadCollator
+from pipelines.data.loader import eval_batch_rows
 from pipelines.data.packing import IGNORE, PackedSplit, check_isolation, pack_split, packed_targets
 from pipelines.data.sources import DataError, check_columns
 from pipelines.data.synthetic import generate_instructions
@@ -25,7 +26,7 @@ from pipelines.data.tokenization import TokenizedSplit, train_causal_word_tokeni
 from pipelines.errors import UserError
 from pipelines.params import DataParams, ModelParams, Params
 from pipelines.runtime import ResolvedPrecision
-from pipelines.tasks.base import Encoded, EvaluationResult, QualityMetric, Task
+from pipelines.tasks.base import Encoded, EvaluationResult, GenerationProbe, QualityMetric, Task
 from pipelines.tasks.linear_ce import projected_cross_entropy, unwrapped
 
 
@@ -282,11 +283,11 @@ class CausalLmTask(Task):
         assert split.prompt_lengths is not None
         return target_counts(split.lengths, split.prompt_lengths, params.train_on_prompt)
 
-    def training_split(self, split: TokenizedSplit, params: Params, model: nn.Module) -> TokenizedSplit:
+    def training_split(self, split: TokenizedSplit, params: Params, model: nn.Module | None) -> TokenizedSplit:
         """With `data.packing`, the rows packed up to data.max_length, once the model is known to isolate them."""
         if not params.data.packing or isinstance(split, PackedSplit):
             return split
-        reason = check_isolation(model, int(model.get_input_embeddings().num_embeddings))
+        reason = None if model is None else check_isolation(model, int(model.get_input_embeddings().num_embeddings))
         if reason is not None:
             raise UserError(f"data.packing: {reason}")
         return pack_split(split, params.data.max_length)
@@ -311,6 +312,23 @@ class CausalLmTask(Task):
 
         loss, accuracy = teacher_forced(model, split, params, pad_id, device, precision, self, next_token_loss)
         return {"val_loss": loss, "val_token_accuracy": accuracy}
+
+    def generation_probe(self, split: TokenizedSplit, params: Params) -> GenerationProbe | None:
+        # Generation batches the longest prompts together (sorted by length, left-padded), then appends up to
+        # max_new_tokens one at a time, keeping the last position's logits only.
+        prompts = getattr(split, "segment_prompt_lengths", split.prompt_lengths)  # packs: their examples' prompts
+        if prompts is None or not len(prompts):
+            return None
+        rows, new = min(eval_batch_rows(params), len(prompts)), params.eval.max_new_tokens
+        width = max(int(np.max(prompts)), 1)  # plain language modelling: no prompt, generation from one token
+
+        def step(_out: object, cache: object) -> dict[str, object]:
+            return {"input_ids": torch.zeros(rows, 1, dtype=torch.long), "past_key_values": cache, "use_cache": True,
+                    "attention_mask": torch.ones(rows, width + new, dtype=torch.long), "logits_to_keep": 1}  # fmt: skip
+
+        prefill = {"input_ids": torch.zeros(rows, width, dtype=torch.long), "use_cache": True, "logits_to_keep": 1,
+                   "attention_mask": torch.ones(rows, width, dtype=torch.long)}  # fmt: skip
+        return GenerationProbe(prefill, step, new_tokens=new - 1)
 
     def evaluate(
         self,

@@ -27,7 +27,7 @@ from transformers import (
 )
 
 from pipelines.data.batching import PadCollator, padded_length
-from pipelines.data.loader import eval_batches, to_device
+from pipelines.data.loader import eval_batch_rows, eval_batches, to_device
 from pipelines.data.sources import DataError, check_columns
 from pipelines.data.synthetic import generate_translations
 from pipelines.data.tokenization import TokenizedSplit, train_causal_word_tokenizer
@@ -35,7 +35,7 @@ from pipelines.noise import wilson_interval
 from pipelines.params import DataParams, ModelParams, Params
 from pipelines.runtime import ResolvedPrecision, autocast_context
 from pipelines.tasks.answer_plots import answer_plots
-from pipelines.tasks.base import Encoded, EvaluationResult, QualityMetric, Task
+from pipelines.tasks.base import Encoded, EvaluationResult, GenerationProbe, QualityMetric, Task
 from pipelines.tasks.causal_lm import IGNORE
 from pipelines.tasks.linear_ce import projected_cross_entropy
 
@@ -233,6 +233,22 @@ class Seq2SeqTask(Task):
 
         loss, accuracy = teacher_forced(model, split, params, pad_id, device, precision, self, target_token_loss)
         return {"val_loss": loss, "val_token_accuracy": accuracy}
+
+    def generation_probe(self, split: TokenizedSplit, params: Params) -> GenerationProbe | None:
+        # Beam search runs every source num_beams times: the encoder once, then the decoder one token at a time
+        # from its start token, with self-attention and cross-attention caches.
+        assert split.prompt_lengths is not None
+        rows = min(eval_batch_rows(params), len(split)) * params.eval.num_beams
+        source = int(np.max(split.prompt_lengths))
+        inputs = {"attention_mask": torch.ones(rows, source, dtype=torch.long), "use_cache": True,
+                  "decoder_input_ids": torch.zeros(rows, 1, dtype=torch.long)}  # fmt: skip
+
+        def step(out: object, cache: object) -> dict[str, object]:
+            encoded = (out.encoder_last_hidden_state,)  # type: ignore[attr-defined]
+            return {**inputs, "encoder_outputs": encoded, "past_key_values": cache}
+
+        prefill = {**inputs, "input_ids": torch.zeros(rows, source, dtype=torch.long)}
+        return GenerationProbe(prefill, step, new_tokens=params.eval.max_new_tokens - 1)
 
     def evaluate(
         self,

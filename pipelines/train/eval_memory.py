@@ -1,8 +1,11 @@
-"""Validation's memory during training: the largest scoring batch's forward, beside the weights and optimizer state.
+"""Evaluation's memory: validation's largest scoring batch during training, and the evaluate stage's generation.
 
 Users most often run out of memory in evaluation, not in the training step: the scoring batch is twice an optimizer
 step's rows (`eval_batch_rows`), its logits are computed whole for every position, and the optimizer state is still
 resident. The memory plan runs this on its fake model after the training step (`predicted_eval_peak_bytes`).
+Generation (the evaluate stage: weights, no optimizer) is planned by one forward that fills the key/value cache
+of its largest batch (`Task.generation_probe`: prefill, then the last step with the cache at its final length;
+`predicted_generation_peak_bytes`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pipelines.data.loader import eval_batch_rows, make_loader
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.params import Params
 from pipelines.runtime import ResolvedPrecision, autocast_context
-from pipelines.tasks.base import Task
+from pipelines.tasks.base import GenerationProbe, Task
 from pipelines.train.memory import track_step
 
 
@@ -49,5 +52,37 @@ def validation_peak(
             task.loss(model, batch)
 
     peak = track_step(model, optimizer, device, forward).total
+    model.train(was_training)
+    return peak
+
+
+def grow_cache(cache: object, positions: int) -> None:
+    """Append `positions` (zero) positions to every self-attention layer of a transformers cache, in place."""
+    cache = getattr(cache, "self_attention_cache", cache)  # encoder-decoder: the decoder's own cache grows
+    for layer in getattr(cache, "layers", []):
+        if getattr(layer, "keys", None) is None or layer.keys.dim() != 4:
+            continue
+        shape = (*layer.keys.shape[:2], positions, layer.keys.shape[-1])
+        layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(shape)], dim=-2)
+        layer.values = torch.cat([layer.values, layer.values.new_zeros(shape)], dim=-2)
+
+
+def generation_peak(model: nn.Module, probe: GenerationProbe, precision: ResolvedPrecision) -> int:
+    """Peak bytes (MemTracker) of generation's prefill, then its last step with the cache at its final length,
+    beside the weights alone (the evaluate stage has no optimizer)."""
+    was_training = model.training
+    model.eval()
+    device = torch.device("cpu")
+    idle = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+
+    def generate(meter: object) -> None:
+        with torch.no_grad(), autocast_context(precision, device):
+            out = model(**probe.prefill)
+            meter.tracker.reset_mod_stats()  # type: ignore[attr-defined]  # a second forward follows
+            cache = out.past_key_values
+            grow_cache(cache, probe.new_tokens)
+            model(**probe.step(out, cache))
+
+    peak = track_step(model, idle, device, generate).total
     model.train(was_training)
     return peak

@@ -29,20 +29,30 @@ from typing import Any
 import torch
 from torch.utils import flop_counter as torch_flops
 
-# Dense (no sparsity) peak TFLOP/s from NVIDIA's data sheets: (16-bit, TF32, fp32).
+from pipelines.gpu_profiles import GPU_PROFILES
+
+
+def _profile_peaks(name: str) -> tuple[float, float, float]:
+    card = GPU_PROFILES[name]
+    return card.fp16_flops / 1e12, (card.tf32_flops or card.fp32_flops) / 1e12, card.fp32_flops / 1e12
+
+
+# Dense (no sparsity) peak TFLOP/s from NVIDIA's data sheets: (16-bit, TF32, fp32). The cards a plan can target
+# come from their profiles (pipelines.gpu_profiles), one table for both; the rest are here for MFU only.
 GPU_PEAK_TFLOPS = {
-    "H200": (989.4, 494.7, 66.9),
-    "H100 SXM": (989.4, 494.7, 66.9),
-    "H100 80GB HBM3": (989.4, 494.7, 66.9),  # the SXM part's device name
+    "H200": _profile_peaks("H200"),
+    "H100 SXM": _profile_peaks("H100-80GB"),
+    "H100 80GB HBM3": _profile_peaks("H100-80GB"),  # the SXM part's device name
     "H100 NVL": (835.0, 417.5, 60.0),
     "H100 PCIe": (756.0, 378.0, 51.2),
-    "A100": (312.0, 156.0, 19.5),
+    "A100": _profile_peaks("A100-80GB"),
     "L40S": (362.1, 183.0, 91.6),
-    "L4": (121.0, 60.0, 30.3),
-    "A10G": (70.0, 35.0, 31.2),
+    "L4": _profile_peaks("L4"),
+    "A10G": _profile_peaks("A10G"),
     "A10": (125.0, 62.5, 31.2),
     "V100": (125.0, 15.7, 15.7),  # no TF32: fp32 matmuls run at the fp32 rate
-    "T4": (65.0, 8.1, 8.1),
+    "T4": _profile_peaks("T4"),
+    "GeForce RTX 4090": _profile_peaks("RTX4090"),
 }
 
 

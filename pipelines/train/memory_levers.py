@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import torch
@@ -23,6 +24,10 @@ CHUNKED_FROM_VOCAB = 32_768
 _OFFLOAD = "_pipelines_offload_activations"
 # The model families Liger-Kernel patches (liger_kernel.transformers' apply_liger_kernel_to_<family>).
 LIGER_MODEL_TYPES = ("llama", "mistral", "mixtral", "gemma", "gemma2", "qwen2", "qwen3", "phi3", "granite", "olmo2")
+
+
+# torch checkpoint's context_fn: the forward's and the recompute's context managers.
+ContextFn = Callable[[], tuple[AbstractContextManager[object], AbstractContextManager[object]]] | None
 
 
 def resolve_loss_chunk_rows(model: nn.Module, params: Params, task: Task) -> int | None:
@@ -41,12 +46,15 @@ def resolve_loss_chunk_rows(model: nn.Module, params: Params, task: Task) -> int
     return chunk_rows_for(vocab)
 
 
-def _enable_checkpointing(model: nn.Module, params: Params, offload: bool) -> None:
+def _enable_checkpointing(model: nn.Module, params: Params, offload: bool, recompute_context: ContextFn) -> None:
     if not params.grad_checkpointing:
         return
+    kwargs: dict[str, object] = {"use_reentrant": False}
+    if recompute_context is not None:
+        kwargs["context_fn"] = recompute_context
     # transformers' own options: every n-th decoder block, and the blocks' inputs kept in pinned host memory.
     model.activation_checkpointing_enable(
-        activation_checkpointing_kwargs={"use_reentrant": False},
+        activation_checkpointing_kwargs=kwargs,
         every_n_layers=params.grad_checkpointing_every,
         offload=offload,
     )
@@ -71,13 +79,16 @@ def _apply_kernels(model: nn.Module, params: Params, device: torch.device) -> No
 
 
 def apply_memory_levers(
-    model: nn.Module, params: Params, task: Task, device: torch.device, *, planning: bool = False
-) -> None:
+    model: nn.Module, params: Params, task: Task, device: torch.device, *, planning: bool = False,
+    recompute_context: ContextFn = None,
+) -> None:  # fmt: skip
     """Checkpointing, offloading, the loss's projection and kernels, as the params ask, on `model` in place.
 
     `device` is where the trial trains. `planning`: the memory plan's fake step on the CPU, where offloading is
     modelled (`offloading`) rather than run, and kernels are not swapped in (Triton does not trace on fake
     CPU tensors; the plan counts the model's own ops, an upper bound for Liger's fused ones).
+    `recompute_context`: torch checkpoint's `context_fn` (a GPU target's plan re-enters its rules in the recompute,
+    which runs in backward, outside the forward's torch-function modes).
     """
     if params.activation_offload and device.type != "cuda":
         raise UserError(
@@ -85,7 +96,7 @@ def apply_memory_levers(
             f"{device.type}, where they already are in host memory (set activation_offload: false)"
         )
     offload = params.activation_offload
-    _enable_checkpointing(model, params, offload and not planning)
+    _enable_checkpointing(model, params, offload and not planning, recompute_context)
     # Without checkpointing, offload every tensor autograd saves (torch's save_on_cpu around the forward); the
     # plan models either form by keeping saved tensors out of device memory until backward reads them.
     mode = "plan" if offload and planning else "host" if offload and not params.grad_checkpointing else None

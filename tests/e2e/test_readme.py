@@ -22,6 +22,7 @@ RUN_HERE = (
     "dvc exp run -S optim=lion -S lr=0.0003",
     "dvc exp run -S memory_budget=2GB -S strategy=auto",
     "python -m stages.plan",
+    "python -m stages.plan --target A100-40GB --target T4",
     "dvc exp show",
     "dvc metrics diff",
     "dvc plots show",
@@ -140,6 +141,10 @@ def test_readme_commands_run_as_written(project_copy: Path):
             run(["git", "checkout", "--", "params.yaml"], root)  # each from the baseline (exp run applies its result)
         if command == "python -m stages.plan":
             assert "| default |" in done.stdout and json.loads((root / "metrics/plan.json").read_text())
+        if command.startswith("python -m stages.plan --target"):
+            plans = json.loads((root / "metrics/plan.json").read_text())
+            assert list(plans) == ["A100-40GB", "T4"] and "Target: T4" in done.stdout
+            assert all(entry["fits"] and entry["fastest"] for card in plans.values() for entry in card.values())
         if command == "dvc exp show":
             assert "optim" in done.stdout
     shown = json.loads(run(["dvc", "exp", "show", "--json"], root).stdout)

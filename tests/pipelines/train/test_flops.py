@@ -31,6 +31,7 @@ def test_padding_earns_no_flops_the_same_tokens_give_the_same_figure():
         ("NVIDIA H200", "H200"),
         ("Tesla T4", "T4"),
         ("Tesla V100-SXM2-16GB", "V100"),
+        ("NVIDIA GeForce RTX 4090", "GeForce RTX 4090"),
     ],
 )
 def test_gpus_are_matched_by_their_whole_model_name(name, model):
