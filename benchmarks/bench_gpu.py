@@ -205,7 +205,7 @@ def run_ours(
 
 def model_flops_per_position(params: Params, make_model: Any, train: TokenizedSplit, meta: dict[str, int]) -> float:
     """The memory plan's model FLOPs per position (fake tensors on the CPU: nothing is allocated)."""
-    from pipelines.memory_plan import plan_memory
+    from pipelines.resolve.memory_plan import plan_memory
     from pipelines.tasks import get_task
 
     task = get_task(params.task)

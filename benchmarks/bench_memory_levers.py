@@ -96,8 +96,8 @@ def run_one(work: Path, folder: Path, mode: str, config: str) -> dict[str, Any]:
 
     from pipelines.adapters import apply_adapter
     from pipelines.data.tokenization import TOKENIZER_DIR, TokenizedSplit
-    from pipelines.memory_plan import plan_memory
     from pipelines.recipe import seed_everything
+    from pipelines.resolve.memory_plan import plan_memory
     from pipelines.tasks import get_task
     from pipelines.train.engine import train_model
 

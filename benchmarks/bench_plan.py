@@ -51,8 +51,8 @@ def run_one(name: str, data: Path, model_path: Path, rows: int) -> dict[str, Any
 
     from pipelines.adapters import apply_adapter
     from pipelines.data.tokenization import TokenizedSplit
-    from pipelines.memory_plan import plan_memory
     from pipelines.model import build_model
+    from pipelines.resolve.memory_plan import plan_memory
     from pipelines.tasks import get_task
     from pipelines.train.engine import train_model
 

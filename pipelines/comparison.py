@@ -82,7 +82,8 @@ def quality_columns(task: str) -> tuple[Column, ...]:
 TRAINABLE_COLUMN = Column(
     "Trainable params", "trainable_param_bytes", " MB", scale=1 / MB, digits=2, relative=True, noise="exact"
 )
-# Shown when trials were planned (pipelines.memory_plan): the prediction and its error against the measured peak.
+# Shown when trials were planned (pipelines.resolve.memory_plan): the prediction and its error against the measured
+# peak.
 PLAN_COLUMN = Column(
     "Predicted peak", "predicted_peak_train_memory_bytes", " MB", scale=1 / MB, versus="peak_train_memory_bytes"
 )

@@ -1,7 +1,7 @@
 """The GPUs a plan can target: memory, compute capability and dense peak FLOP/s per precision, as data.
 
-`target_device` and `memory_budget` name them; `pipelines.cuda_plan` applies a card's rules to the fake step
-and `pipelines.budget` weighs precisions by the card's peaks. Pure data (no torch), so params validation can
+`target_device` and `memory_budget` name them; `pipelines.resolve.cuda_plan` applies a card's rules to the fake step
+and `pipelines.resolve.budget` weighs precisions by the card's peaks. Pure data (no torch), so params validation can
 list the names.
 
 Sources: memory is `nvidia-smi`'s memory.total for the card (MiB), the usable device memory before the CUDA

@@ -22,31 +22,28 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from pipelines.adapters import BASE_DIR, apply_adapter, save_base_reference, save_trained
-from pipelines.data.batching import padded_length
 from pipelines.data.tokenization import LABELS_FILE, TOKENIZER_DIR, TokenizedSplit
 from pipelines.errors import warn_user
-from pipelines.memory_plan import MemoryPlan
 from pipelines.model import set_attention
 from pipelines.model_card import pretrained_base, record_adapter_base, set_model_max_length, write_model_card
 from pipelines.params import Params
-from pipelines.plan_target import trial_target
-from pipelines.preflight import Preflight, plan_before_training, plan_or_none, trial_planner
 from pipelines.progress import TrialProgress
+from pipelines.resolve.preflight import Preflight, plan_before_training, trial_planner
+from pipelines.resolve.target import trial_target
+from pipelines.resolve.training import ResolvedTraining, resolve_training
 from pipelines.runtime import (
     ResolvedPrecision,
     emulated_bf16_warning,
     resolve_device,
-    resolve_pad_multiple,
     resolve_precision,
     resolve_tf32,
 )
 from pipelines.tasks import get_task
 from pipelines.tasks.base import Task
-from pipelines.train.batch_size import resolve_batch_size
 from pipelines.train.checkpoint import discard
 from pipelines.train.engine import TrainResult, train_model
 from pipelines.train.flops import flops_metrics
-from pipelines.train.lr_range import LrRangeResult, resolve_lr
+from pipelines.train.lr_range import LrRangeResult
 
 PARAMS_FILE = "params.json"
 METRICS_FILE = "metrics.json"  # the trial's final metrics, beside its saved model
@@ -123,9 +120,10 @@ class Trial:
         print(f"[{self.variant}] {message}", flush=True)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Setup:
-    """What setup built: the task, tokenizer, model and splits, on the resolved device and precision."""
+    """What setup built: the task, tokenizer, (adapted) model and training split, the device and precision, and the
+    preflight's plan; the params are the preflight's (`resolve` then settles the rest into `ResolvedTraining`)."""
 
     params: Params
     task: Task
@@ -136,7 +134,6 @@ class Setup:
     precision: ResolvedPrecision
     preflight: Preflight
     planner: Any
-    plan: MemoryPlan | None = None
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -157,12 +154,12 @@ def train_and_save(trial: Trial, params: Params, device: torch.device | None = N
     get their own clocks.
     """
     setup = set_up(trial, params, device)
-    resolve(trial, setup)
+    resolved = resolve(trial, setup)
     setup_time = time.perf_counter() - setup.started
-    result = train(trial, setup)
+    result = train(trial, setup, resolved)
     if trial.rank:
         return {}
-    metrics = evaluate_and_save(trial, setup, result)
+    metrics = evaluate_and_save(trial, setup, resolved, result)
     metrics["setup_time_s"] += setup_time
     return metrics
 
@@ -205,27 +202,17 @@ def set_up(trial: Trial, params: Params, device: torch.device | None) -> Setup:
     return Setup(params, task, tokenizer, model, train, device, precision, preflight, planner, started=started)
 
 
-def resolve(trial: Trial, setup: Setup) -> None:
-    """Every `auto` left after the plan: the micro-batch (probed for real on CUDA) and the learning rate."""
-    params, device = setup.params, setup.device
-    longest = int(setup.train.lengths.max())
-    if params.data.bucketing:
-        longest = padded_length(longest, resolve_pad_multiple(params, device))
-    probed = params.batch_size == "auto"  # still auto: CUDA without a budget, probed for real
-    width = longest if params.data.bucketing else params.data.max_length
-    params = resolve_batch_size(params, setup.model, width, device, setup.precision)
-    setup.plan = plan_or_none(setup.planner, params) if probed and trial.rank == 0 else setup.preflight.plan
+def resolve(trial: Trial, setup: Setup) -> ResolvedTraining:
+    """Every `auto` left after the plan (the micro-batch, probed for real on CUDA; the learning rate), logged."""
     pad_id = setup.tokenizer.pad_token_id
-    params, sweep = resolve_lr(params, setup.model, setup.train, pad_id, device, setup.precision, setup.task)
-    setup.params = params
-    plan = setup.plan
+    resolved = resolve_training(setup.preflight, setup.planner, setup.model, setup.train, setup.task, pad_id,
+                                setup.device, setup.precision, plans=trial.rank == 0)  # fmt: skip
+    plan, sweep = resolved.plan, resolved.lr_sweep
     trial.logger.log_dict({**(plan.as_metrics() if plan else {}), **(sweep.as_metrics() if sweep else {})})
-    trial.logger.log_tags({"memory_plan": setup.preflight.note})
     if sweep:
         log_lr_range(trial.logger, sweep)
-    trial.logger.log_tags(
-        {"batch_size.resolved": str(params.batch_size), "grad_accum_steps.resolved": str(params.grad_accum_steps)}
-    )
+    trial.logger.log_tags(resolved.tags())
+    return resolved
 
 
 def log_lr_range(logger: TrialLogger, sweep: LrRangeResult) -> None:
@@ -240,9 +227,9 @@ def log_lr_range(logger: TrialLogger, sweep: LrRangeResult) -> None:
         client.log_text(logger.run_id, json.dumps(sweep.as_json(), indent=1), "lr_range.json")
 
 
-def train(trial: Trial, setup: Setup) -> TrainResult:
+def train(trial: Trial, setup: Setup, resolved: ResolvedTraining) -> TrainResult:
     """The engine's run, with rank 0 showing progress (a bar on a terminal, a line per epoch) and logging."""
-    params, logger = setup.params, trial.logger
+    params, logger = resolved.params, trial.logger
     progress = TrialProgress(params.epochs, trial.say, trial.make_bar, trial.variant)
     shown = trial.rank == 0
 
@@ -270,8 +257,8 @@ def train(trial: Trial, setup: Setup) -> TrainResult:
         validation,
         params,
         pad_id=setup.tokenizer.pad_token_id,
-        device=setup.device,
-        precision=setup.precision,
+        device=resolved.device,
+        precision=resolved.precision,
         on_log=on_log,
         on_epoch_end=on_epoch_end,
         checkpoint_dir=trial.checkpoint_dir,
@@ -283,13 +270,14 @@ def train(trial: Trial, setup: Setup) -> TrainResult:
     return result
 
 
-def evaluate_and_save(trial: Trial, setup: Setup, result: TrainResult) -> dict[str, float]:
+def evaluate_and_save(trial: Trial, setup: Setup, resolved: ResolvedTraining, result: TrainResult) -> dict[str, float]:
     """Rank 0: score the test split, save the model folder, log it as the run's MLflow model; the metrics."""
-    params, tokenizer, out = setup.params, setup.tokenizer, trial.out
+    params, tokenizer, out = resolved.params, setup.tokenizer, trial.out
+    device, precision = resolved.device, resolved.precision
     tokenized = Path(trial.context.tokenized_dir)
     eval_start = time.perf_counter()
     test = TokenizedSplit.load(tokenized / "test")
-    evaluation = setup.task.evaluate(setup.model, tokenizer, test, tokenized, params, setup.device, setup.precision)
+    evaluation = setup.task.evaluate(setup.model, tokenizer, test, tokenized, params, device, precision)
     test_eval_time = time.perf_counter() - eval_start
     save_start = time.perf_counter()
     save_trained(setup.model, out, params)
@@ -300,11 +288,10 @@ def evaluate_and_save(trial: Trial, setup: Setup, result: TrainResult) -> dict[s
     (out / PARAMS_FILE).write_text(json.dumps(params.model_dump(mode="json"), indent=2, sort_keys=True) + "\n")
     (out / "history.json").write_text(json.dumps(result.history) + "\n")
     metrics = {**result.metrics, **evaluation.metrics, "test_eval_time_s": test_eval_time}
-    if setup.plan is not None:  # achieved model FLOP/s (and MFU on a known GPU), from the plan's FLOPs per position
-        tf32 = resolve_tf32(params, setup.precision, setup.device)
-        per_position = setup.plan.model_flops_per_position()
-        metrics |= flops_metrics(per_position, metrics, setup.device, setup.precision, tf32,
-                                 params.distributed.num_workers)  # fmt: skip
+    if resolved.plan is not None:  # achieved model FLOP/s (and MFU on a known GPU), from the plan's FLOPs per position
+        tf32 = resolve_tf32(params, precision, device)
+        per_position = resolved.plan.model_flops_per_position()
+        metrics |= flops_metrics(per_position, metrics, device, precision, tf32, params.distributed.num_workers)
     base = pretrained_base(params, Path(trial.context.root))
     record_adapter_base(out, base)
     quality = {q.metric: metrics[q.metric] for q in setup.task.quality if q.metric in metrics}

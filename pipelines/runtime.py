@@ -103,8 +103,8 @@ def _check_worker_gpus(params: Params) -> None:
     )
 
 
-# The memory plan of a GPU target swaps in CUDA's autocast rules on the CPU (`pipelines.cuda_plan`), for the step
-# it runs: every autocast region of the task's code then follows them, with no CUDA-specific branch in the tasks.
+# The memory plan of a GPU target swaps in CUDA's autocast rules on the CPU (`pipelines.resolve.cuda_plan`), for the
+# step it runs: every autocast region of the task's code then follows them, with no CUDA-specific branch in the tasks.
 _AUTOCAST_RULES: ContextVar[Callable[[torch.dtype], AbstractContextManager[object]] | None] = ContextVar(
     "autocast_rules", default=None
 )

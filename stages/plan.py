@@ -26,7 +26,7 @@ def _targets(params: Params, named: list[str]) -> list[str]:
         return [params.target_device]
     if isinstance(params.memory_budget, str):
         return [params.memory_budget]
-    from pipelines.plan_target import as_target
+    from pipelines.resolve.target import as_target
     from pipelines.runtime import resolve_device
 
     return [as_target(resolve_device(params)).name]
@@ -37,8 +37,8 @@ def main() -> None:
     parser.add_argument("--target", action="append", default=[], help="cpu or a GPU profile (repeatable)")
     args = parser.parse_args()
     params = load_params()
-    from pipelines.plan_report import plan_targets, target_table
-    from pipelines.plan_target import target_named
+    from pipelines.resolve.plan_report import plan_targets, target_table
+    from pipelines.resolve.target import target_named
 
     targets = [target_named(name) for name in _targets(params, args.target)]
     plans = plan_targets(params, resolve_repo_root(), TOKENIZED, targets)

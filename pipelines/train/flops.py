@@ -1,6 +1,6 @@
 """Achieved model FLOP/s and, on known GPUs, model FLOPs utilization (MFU).
 
-Model FLOPs come from the memory plan's step (`pipelines.memory_plan`): torch's
+Model FLOPs come from the memory plan's step (`pipelines.resolve.memory_plan`): torch's
 `FlopCounterMode` counts the matmuls, convolutions and attention of one optimizer step of the
 trial's own code (forward, backward and LoRA's skipped weight gradients as they run), without
 checkpointing's recomputed forward, which is not model work. Divided by the step's positions it

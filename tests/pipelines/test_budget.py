@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from pipelines.adapters import apply_adapter
-from pipelines.budget import choose_strategy, fit_to_budget
 from pipelines.errors import UserError
-from pipelines.memory_plan import MemoryPlan, plan_memory
 from pipelines.params import Params, apply_overrides, parse_bytes
+from pipelines.resolve.budget import choose_strategy, fit_to_budget
+from pipelines.resolve.memory_plan import MemoryPlan, plan_memory
 from pipelines.train.engine import train_model
 from tests.pipelines.test_memory_plan import bert_case
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pipelines.data.loader import eval_batch_rows
-from pipelines.memory_plan import plan_memory
+from pipelines.resolve.memory_plan import plan_memory
 from pipelines.tasks import get_task
 from pipelines.train.memory import track_step
 from tests.pipelines.tasks.test_causal_lm import WordTokenizer, lm_params, lm_split

@@ -24,7 +24,7 @@ LIGHT_MODULES = [
     "pipelines.model",
     "pipelines.adapters",
     "pipelines.evaluation",
-    "pipelines.memory_plan",
+    "pipelines.resolve.memory_plan",
     "benchmarks.bench_gpu",
 ]
 ABSENT = ("mlflow", "ray", "dvc", "datasets")

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.budget import choose_strategy
 from pipelines.data.loader import make_loader
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
-from pipelines.memory_plan import plan_memory
 from pipelines.params import ParamsError
+from pipelines.resolve.budget import choose_strategy
+from pipelines.resolve.memory_plan import plan_memory
 from pipelines.tasks import get_task
 from pipelines.tasks.linear_ce import loss_chunk_rows, set_loss_chunk_rows
 from pipelines.train.engine import train_model

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pipelines.adapters import apply_adapter
-from pipelines.memory_plan import plan_memory
 from pipelines.params import Params
+from pipelines.resolve.memory_plan import plan_memory
 from pipelines.tasks import get_task
 from pipelines.train.engine import train_model
 from tests.conftest import tiny_params
@@ -78,9 +78,9 @@ def test_a_packed_causal_lm_is_planned_on_its_packs(default_params):
 
 
 def test_every_variant_is_planned_from_the_tokenized_split(default_params, tmp_path):
-    from pipelines.plan_report import plan_targets, target_table
-    from pipelines.plan_target import CPU_TARGET
     from pipelines.prepare import prepare_dataset
+    from pipelines.resolve.plan_report import plan_targets, target_table
+    from pipelines.resolve.target import CPU_TARGET
 
     variants = {"vanilla": {}, "adafactor": {"optim": "adafactor"}, "checkpointing": {"grad_checkpointing": True}}
     params = tiny_params(default_params, **{"data.generator.num_rows": 600, "tune.variants": variants})
@@ -96,7 +96,7 @@ def test_every_variant_is_planned_from_the_tokenized_split(default_params, tmp_p
 
 def test_a_run_that_cannot_be_planned_trains_without_a_plan_and_says_why_in_one_line(default_params):
     from pipelines.errors import UserError
-    from pipelines.preflight import plan_before_training
+    from pipelines.resolve.preflight import plan_before_training
     from pipelines.tasks.causal_lm import IGNORE
     from tests.pipelines.tasks.test_seq2seq import WordTokenizer as S2STokenizer
     from tests.pipelines.tasks.test_seq2seq import s2s_params, s2s_split
@@ -147,7 +147,7 @@ def test_seq2seq_is_planned_and_its_loss_needs_no_host_sync(default_params):
 @pytest.mark.slow
 def test_a_gguf_model_is_planned_from_its_config_and_its_weights_are_never_read(default_params, tmp_path):
     from pipelines.data.tokenization import load_pretrained_tokenizer
-    from pipelines.memory_plan import PlanUnavailable
+    from pipelines.resolve.memory_plan import PlanUnavailable
     from tests.pipelines.test_gguf_model import GGUF_FILE, smollm2_folder
 
     folder = smollm2_folder()
@@ -193,7 +193,7 @@ def test_the_plan_pads_as_the_trial_does(default_params):
 def test_qlora_is_planned_without_cuda_as_lora_with_nf4_weights(default_params):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from pipelines.qlora_plan import nf4_bytes, quantized_linears
+    from pipelines.resolve.qlora_plan import nf4_bytes, quantized_linears
 
     assert nf4_bytes(64 * 256 * 2) == 16384 + 512 + 8  # 4 bits each, an 8-bit absmax per 64, fp32 per 256 of those
     lora_params, task, train, build = llama_case(default_params, {"adapter.type": "lora"})

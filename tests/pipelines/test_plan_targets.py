@@ -25,14 +25,14 @@ import torch
 import torch.nn.functional as F
 from transformers import BertConfig, BertForSequenceClassification
 
-from pipelines.cuda_plan import CudaAttention, allocation_rounding, cuda_autocast, sdpa_backend
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.gpu_profiles import GPU_PROFILES, gpu_profile, profile_for_device
-from pipelines.memory_plan import plan_memory
 from pipelines.params import Params, ParamsError
-from pipelines.plan_target import CPU_TARGET, PlanTarget, target_named
-from pipelines.qlora_plan import eight_bit_state_bytes
+from pipelines.resolve.cuda_plan import CudaAttention, allocation_rounding, cuda_autocast, sdpa_backend
+from pipelines.resolve.memory_plan import plan_memory
+from pipelines.resolve.qlora_plan import eight_bit_state_bytes
+from pipelines.resolve.target import CPU_TARGET, PlanTarget, target_named
 from pipelines.tasks import get_task
 from tests.conftest import REPO_ROOT, tiny_params
 
@@ -184,7 +184,7 @@ def test_eight_bit_adamw_is_planned_by_rule_without_bitsandbytes(default_params)
 
 
 def test_the_budget_weighs_precisions_by_the_cards_peaks():
-    from pipelines.budget import precision_speed
+    from pipelines.resolve.budget import precision_speed
 
     h100 = target_named("H100-80GB")
     assert precision_speed("bf16", h100) == pytest.approx(989.4 / 67.0)  # tf32 auto: off for the fp32 baseline
@@ -193,7 +193,7 @@ def test_the_budget_weighs_precisions_by_the_cards_peaks():
 
 
 def test_memory_budget_naming_a_card_is_its_memory_less_the_reserve(default_params):
-    from pipelines.budget import budget_bytes
+    from pipelines.resolve.budget import budget_bytes
 
     params = tiny_params(default_params, memory_budget="T4")
     assert budget_bytes(params) == gpu_profile("T4").budget_bytes()
@@ -208,8 +208,8 @@ def test_the_plan_stage_refuses_an_unknown_target_listing_the_profiles(tmp_path)
 
 
 def test_plan_targets_gives_a_verdict_and_the_fastest_fitting_config_per_card(default_params, tmp_path):
-    from pipelines.plan_report import plan_targets, target_table
     from pipelines.prepare import prepare_dataset
+    from pipelines.resolve.plan_report import plan_targets, target_table
 
     variants = {"vanilla": {}}
     settings = {"data.generator.num_rows": 300, "tune.variants": variants, "batch_size": 8}
@@ -230,8 +230,8 @@ def test_plan_targets_gives_a_verdict_and_the_fastest_fitting_config_per_card(de
 
 def test_the_plan_stage_plans_a_packed_run_on_its_packs_as_the_trial_does(default_params, tmp_path):
     from pipelines.data.tokenization import TokenizedSplit
-    from pipelines.plan_report import plan_targets
     from pipelines.prepare import prepare_dataset
+    from pipelines.resolve.plan_report import plan_targets
 
     settings = {"task": "causal_lm", "data.generator.num_rows": 300, "data.max_length": 128, "batch_size": 4}
     unpacked = tiny_params(default_params, **settings)

@@ -73,7 +73,7 @@ def test_fsdp_trains_like_ddp_and_holds_half_the_state_per_worker(tmp_path: Path
             gap = max((fsdp["weights"][k] - v).abs().max().item() for k, v in ddp["weights"].items())
             assert gap < 1e-4, gap
         if precision == "fp32":  # the plan of one FSDP worker against rank 0's measured peak
-            from pipelines.memory_plan import plan_memory
+            from pipelines.resolve.memory_plan import plan_memory
             from pipelines.tasks import get_task
 
             params = fsdp_params(**{"distributed.strategy": "fsdp"})
@@ -97,7 +97,7 @@ def test_the_blocks_fsdp_shards_are_transformers_own_no_split_modules():
 
 
 def test_the_fsdp_memory_plan_divides_the_state_by_the_workers():
-    from pipelines.memory_plan import plan_memory
+    from pipelines.resolve.memory_plan import plan_memory
     from pipelines.tasks import get_task
 
     def plan(strategy: str):

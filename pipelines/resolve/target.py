@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pipelines.cuda_plan import CudaAttention, CudaAutocast, allocation_rounding
 from pipelines.errors import UserError
 from pipelines.gpu_profiles import GPU_PROFILES, GpuProfile, gpu_profile, profile_for_device
 from pipelines.params import Params
+from pipelines.resolve.cuda_plan import CudaAttention, CudaAutocast, allocation_rounding
 from pipelines.runtime import ResolvedPrecision, autocast_rules, cpu_has_fast_bf16
 
 CUDA = torch.device("cuda")

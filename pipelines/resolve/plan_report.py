@@ -1,6 +1,6 @@
 """The plan stage's answer, before training and before renting a GPU: every variant's plan on every target.
 
-For each target (the CPU or a GPU profile, `pipelines.plan_target`) and each variant of `tune.variants`:
+For each target (the CPU or a GPU profile, `pipelines.resolve.target`) and each variant of `tune.variants`:
 the predicted peak allocated, the card's reserve stated beside it (CUDA context, allocator slack:
 `pipelines.gpu_profiles`), whether it fits, and the fastest configuration that fits (`strategy: auto` run
 against the card's memory, or against `memory_budget` on the CPU).
@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pipelines.budget import choose_strategy
 from pipelines.data.tokenization import TOKENIZER_DIR, TokenizedSplit
 from pipelines.errors import UserError
-from pipelines.memory_plan import MB, MemoryPlan, PlanUnavailable
 from pipelines.params import Params, apply_overrides
-from pipelines.plan_target import PlanTarget
-from pipelines.preflight import trial_planner
+from pipelines.resolve.budget import choose_strategy
+from pipelines.resolve.memory_plan import MB, MemoryPlan, PlanUnavailable
+from pipelines.resolve.preflight import trial_planner
+from pipelines.resolve.target import PlanTarget
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def _fastest(variant: Params, planner: object, target: PlanTarget, budget: int |
 
 
 def _bytes(params: Params) -> int:
-    from pipelines.budget import budget_bytes
+    from pipelines.resolve.budget import budget_bytes
 
     return budget_bytes(params) or 0
 

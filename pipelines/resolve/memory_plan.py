@@ -38,8 +38,8 @@ from pipelines.data.loader import make_loader
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.params import Params
-from pipelines.plan_target import CPU_TARGET, PlanTarget
-from pipelines.qlora_plan import EightBitAdamWPlan, as_qlora
+from pipelines.resolve.qlora_plan import EightBitAdamWPlan, as_qlora
+from pipelines.resolve.target import CPU_TARGET, PlanTarget
 from pipelines.runtime import ResolvedPrecision, resolve_pad_multiple
 from pipelines.tasks.base import Task
 from pipelines.train.eval_memory import generation_peak, largest_eval_batch, validation_peak
@@ -92,7 +92,7 @@ class MemoryPlan:
     positions: int = 0
     eval_peak: int = 0  # validation's largest scoring batch, beside weights and optimizer state (train/eval_memory)
     generation_peak: int = 0  # the evaluate stage's largest generation batch, beside the weights (train/eval_memory)
-    target: str = "cpu"  # the device modelled: cpu or a GPU profile (pipelines.plan_target)
+    target: str = "cpu"  # the device modelled: cpu or a GPU profile (pipelines.resolve.target)
 
     def as_metrics(self) -> dict[str, float]:
         """MLflow names: `predicted_*`, beside the measured `peak_train_memory_bytes` and its breakdown."""
@@ -191,7 +191,7 @@ def _plan_qlora(
 
 
 def _optimizer(params: Params, model: nn.Module) -> torch.optim.Optimizer:
-    """The trial's optimizer (8-bit AdamW by rule: bitsandbytes needs CUDA; see pipelines.qlora_plan)."""
+    """The trial's optimizer (8-bit AdamW by rule: bitsandbytes needs CUDA; see pipelines.resolve.qlora_plan)."""
     lr = params.lr if params.lr != "auto" else 1e-3  # the rate does not change memory
     if params.optim == "adamw_8bit":
         return EightBitAdamWPlan([p for p in model.parameters() if p.requires_grad], lr)
@@ -289,11 +289,11 @@ def plan_memory(
     """Predict the peak of one training step of `params` on `train`'s first (longest) window, in bytes of `target`.
 
     The batches are padded as the trial on `device` pads them (`data.pad_to_multiple_of` resolved there); a GPU
-    `target` trains on CUDA, and its rules apply to the step (`pipelines.plan_target`).
+    `target` trains on CUDA, and its rules apply to the step (`pipelines.resolve.target`).
 
     `build_base` makes the model from its config under FakeTensorMode (no weight allocated or read), `adapt`
     applies the adapter outside it (peft builds its small weights for real); see `_unavailable_on_failure`.
-    QLoRA: planned as LoRA, then adjusted by rule (`pipelines.qlora_plan`; bitsandbytes needs CUDA)."""
+    QLoRA: planned as LoRA, then adjusted by rule (`pipelines.resolve.qlora_plan`; bitsandbytes needs CUDA)."""
     if target.card is not None:
         device = target.device
     if params.adapter.type == "qlora":

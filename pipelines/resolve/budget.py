@@ -1,6 +1,6 @@
 """`memory_budget` and `strategy: auto`: choose, before training, a plan whose predicted peak fits.
 
-Every candidate is judged by its memory plan (`pipelines.memory_plan`: the trial's own step on
+Every candidate is judged by its memory plan (`pipelines.resolve.memory_plan`: the trial's own step on
 fake tensors), so nothing is allocated while choosing. Candidates come in tiers, and a later
 tier is tried only when nothing in the earlier ones fits, because later tiers change what is
 trained, not just how:
@@ -20,7 +20,7 @@ against plain fp32: 14.8x on an H100). On a CPU, bf16 counts 2x where it is nati
 measured in our CPU bench) and 1/17 where it is emulated (a MiniLM step took 17x as long on an AVX2 host).
 Ties go to the larger micro-batch (fewer, fuller kernels), then to the fewest changes from the params as written.
 
-The search runs for a `PlanTarget` (pipelines.plan_target): where the trial trains, or a named card from any
+The search runs for a `PlanTarget` (pipelines.resolve.target): where the trial trains, or a named card from any
 machine (`python -m stages.plan`); 8-bit AdamW is offered on a card (planned by rule) when bitsandbytes is
 installed, or always when only planning.
 """
@@ -35,9 +35,9 @@ import torch
 
 from pipelines.errors import UserError
 from pipelines.gpu_profiles import gpu_profile
-from pipelines.memory_plan import MB, MemoryPlan
 from pipelines.params import Params, apply_overrides
-from pipelines.plan_target import PlanTarget, as_target
+from pipelines.resolve.memory_plan import MB, MemoryPlan
+from pipelines.resolve.target import PlanTarget, as_target
 from pipelines.runtime import cpu_has_fast_bf16
 
 Planner = Callable[[Params], MemoryPlan]

@@ -2,7 +2,7 @@
 
 The trial calls `plan_before_training` once its base model and training split exist. It plans
 the params (the trial's own first step on fake tensors), applies `memory_budget` and
-`strategy: auto` (`pipelines.budget`), and sizes `batch_size: auto` by the plan where it can,
+`strategy: auto` (`pipelines.resolve.budget`), and sizes `batch_size: auto` by the plan where it can,
 so a run that would not fit is refused before any training, with the plan in the message.
 """
 
@@ -16,12 +16,12 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from pipelines.adapters import apply_adapter
-from pipelines.budget import Planner, describe, fit_to_budget, largest_fitting_batch
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
-from pipelines.memory_plan import MemoryPlan, PlanUnavailable, plan_memory
 from pipelines.params import Params
-from pipelines.plan_target import PlanTarget, as_target
+from pipelines.resolve.budget import Planner, describe, fit_to_budget, largest_fitting_batch
+from pipelines.resolve.memory_plan import MemoryPlan, PlanUnavailable, plan_memory
+from pipelines.resolve.target import PlanTarget, as_target
 from pipelines.tasks.base import Task
 from pipelines.train.batch_size import CPU_MEMORY_SHARE
 

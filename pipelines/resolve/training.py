@@ -1,0 +1,66 @@
+"""What a trial trains with, resolved once before training, frozen: `ResolvedTraining`.
+
+The preflight (`pipelines.resolve.preflight`) plans before the adapter is applied, since the budget's
+strategy may choose one. Once the model is adapted, what is still `auto` is resolved here: the micro-batch
+(CUDA without a budget: probed for real, then planned) and `lr: auto` (the LR range test). The engine, the
+evaluation and the saved folder then read the same decisions, and nothing changes them later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pipelines.data.batching import padded_length
+from pipelines.data.tokenization import TokenizedSplit
+from pipelines.params import Params
+from pipelines.resolve.budget import Planner
+from pipelines.resolve.memory_plan import MemoryPlan
+from pipelines.resolve.preflight import Preflight, plan_or_none
+from pipelines.runtime import ResolvedPrecision, resolve_pad_multiple
+from pipelines.tasks.base import Task
+from pipelines.train.batch_size import resolve_batch_size
+from pipelines.train.lr_range import LrRangeResult, resolve_lr
+
+
+@dataclass(frozen=True)
+class ResolvedTraining:
+    """Every `auto` of a trial resolved: the params (micro-batch, accumulation, learning rate and the strategy's
+    choices all concrete), where and in which precision it trains, its plan and why, and the LR sweep if run."""
+
+    params: Params
+    device: torch.device
+    precision: ResolvedPrecision
+    plan: MemoryPlan | None
+    plan_note: str
+    lr_sweep: LrRangeResult | None = None
+
+    def tags(self) -> dict[str, str]:
+        """The decisions as MLflow tags."""
+        return {
+            "memory_plan": self.plan_note,
+            "batch_size.resolved": str(self.params.batch_size),
+            "grad_accum_steps.resolved": str(self.params.grad_accum_steps),
+        }
+
+
+def resolve_training(
+    preflight: Preflight, planner: Planner, model: nn.Module, train: TokenizedSplit, task: Task, pad_id: int,
+    device: torch.device, precision: ResolvedPrecision, plans: bool = True,
+) -> ResolvedTraining:  # fmt: skip
+    """The micro-batch and learning rate left `auto` after the preflight, on the adapted `model`.
+
+    A micro-batch probed for real is planned again at the size found (`plans`: False on ranks that log nothing).
+    """
+    params = preflight.params
+    longest = int(train.lengths.max())
+    if params.data.bucketing:
+        longest = padded_length(longest, resolve_pad_multiple(params, device))
+    probed = params.batch_size == "auto"  # still auto: CUDA without a budget
+    width = longest if params.data.bucketing else params.data.max_length
+    params = resolve_batch_size(params, model, width, device, precision)
+    plan = plan_or_none(planner, params) if probed and plans else preflight.plan
+    params, sweep = resolve_lr(params, model, train, pad_id, device, precision, task)
+    return ResolvedTraining(params, device, precision, plan, preflight.note, sweep)
