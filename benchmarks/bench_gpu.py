@@ -175,7 +175,9 @@ def run_ours(
     wall = time.perf_counter() - start
     m = result.metrics
     tf32 = resolve_tf32(params, precision, device)
+    planned = planned_peak(params, make_model, train, meta, device)
     out = {
+        "planned_peak_mb": planned / 2**20,
         "samples_per_s": m["samples_per_s"],
         "tokens_per_s": m["tokens_per_s"],
         "train_time_s": m["train_time_s"],
@@ -201,6 +203,24 @@ def run_ours(
         out["accuracy"] = evaluation.metrics["test_accuracy"]
     del model, result
     return out
+
+
+def planned_peak(params: Params, make_model: Any, train: TokenizedSplit, meta: dict[str, int], device: torch.device
+                 ) -> float:  # fmt: skip
+    """The memory plan's peak for this configuration, made for this device (a GPU: its card's profile and rules,
+    as `python -m stages.plan --target <card>` makes it on any machine); NaN when it cannot be planned."""
+    from pipelines.resolve.memory_plan import PlanUnavailable, plan_memory
+    from pipelines.resolve.target import as_target
+    from pipelines.tasks import get_task
+
+    target = as_target(device)
+    try:
+        plan = plan_memory(params, get_task(params.task), train, make_model, lambda model: model, meta["pad_id"],
+                           target.precision(params), target=target)  # fmt: skip
+    except PlanUnavailable as err:
+        print(f"  not planned: {err}", file=sys.stderr)
+        return float("nan")
+    return float(plan.peak)
 
 
 def model_flops_per_position(params: Params, make_model: Any, train: TokenizedSplit, meta: dict[str, int]) -> float:
@@ -359,15 +379,23 @@ def why_not(overrides: dict[str, Any], device: torch.device) -> str:
     return ""
 
 
+def planned(r: dict[str, float]) -> str:
+    """The plan's peak and its ratio to the measured one ('–' where there is none, e.g. the Trainer)."""
+    plan = r.get("planned_peak_mb", float("nan"))
+    if not np.isfinite(plan):
+        return "–"
+    return f"{plan:.0f} MB ({plan / r['peak_allocated_mb']:.2f}x)"
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The figures as a table, each as a % of its baseline (vanilla fp32; llama bf16 for packing)."""
     results = report["results"]
     lines = [
         f"Device: {report['device']}, torch {report['torch']}; {report['train_rows']} AG News train rows, 1 epoch.",
         "",
-        "| Configuration | Samples/s | Tokens/s | Peak allocated | Peak reserved | Model TFLOP/s | MFU "
-        "| Test accuracy |",
-        "|---|---|---|---|---|---|---|---|",
+        "| Configuration | Samples/s | Tokens/s | Peak allocated | Planned (plan / measured) | Peak reserved "
+        "| Model TFLOP/s | MFU | Test accuracy |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         base = results.get("llama bf16" if name.startswith("llama") else "vanilla fp32", r)
@@ -381,11 +409,11 @@ def markdown(report: dict[str, Any]) -> str:
         accuracy = f"{100 * r['accuracy']:.1f}%" if "accuracy" in r else "–"
         lines.append(
             f"| {name} | {r['samples_per_s']:.0f}{rel('samples_per_s')} | {r['tokens_per_s']:.0f}{rel('tokens_per_s')} "
-            f"| {r['peak_allocated_mb']:.0f} MB{rel('peak_allocated_mb')} "
+            f"| {r['peak_allocated_mb']:.0f} MB{rel('peak_allocated_mb')} | {planned(r)} "
             f"| {r['peak_reserved_mb']:.0f} MB{rel('peak_reserved_mb')} | {tflops} | {mfu} | {accuracy} |"
         )
     for name, reason in report["skipped"].items():
-        lines.append(f"| {name} | not run: {reason} | | | | | | |")
+        lines.append(f"| {name} | not run: {reason} | | | | | | | |")
     if "HF Trainer bf16" in results and HF_LIKE_FOR_LIKE in results:
         ours, theirs = results[HF_LIKE_FOR_LIKE], results["HF Trainer bf16"]
         lines += [

@@ -36,4 +36,6 @@ def test_bench_gpu_prepares_its_data_and_runs_every_configuration_in_smoke_mode(
     vanilla, combined = report["results"]["vanilla fp32"], report["results"]["all combined"]
     assert combined["peak_allocated_mb"] < vanilla["peak_allocated_mb"]  # checkpointing, accumulation, Adafactor
     assert report["model_flops_per_position"]["bert"] > 0
+    # Each configuration beside its plan (on a GPU: made for its card); here the CPU's, against MemTracker's peak.
+    assert abs(vanilla["planned_peak_mb"] / vanilla["peak_allocated_mb"] - 1) < 0.15, vanilla
     assert "| all combined |" in proc.stdout

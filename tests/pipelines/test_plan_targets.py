@@ -240,3 +240,17 @@ def test_the_plan_stage_plans_a_packed_run_on_its_packs_as_the_trial_does(defaul
     packed = tiny_params(unpacked, **{"data.packing": True})
     plan = plan_targets(packed, tmp_path, tmp_path / "tokenized", [CPU_TARGET], fastest=False)["cpu"]["default"].plan
     assert longest_row < plan.batch_width <= 128  # packs of several rows, not the longest row
+
+
+def test_qlora_is_planned_for_a_gpu_from_this_cpu(default_params):
+    from pipelines.adapters import apply_adapter
+    from tests.pipelines.test_memory_plan import llama_case
+
+    lora_params, task, train, build = llama_case(default_params, {"adapter.type": "lora", "precision": "bf16"})
+    qlora_params = tiny_params(lora_params, **{"adapter.type": "qlora"})
+    card = target_named("T4")
+    lora = plan_memory(lora_params, task, train, build, lambda m: apply_adapter(m, lora_params.adapter, task), 0,
+                       "fp16", target=card)  # fmt: skip
+    qlora = plan_memory(qlora_params, task, train, build, lambda m: m, 0, "fp16", target=card)
+    assert qlora.target == "T4" and qlora.parameters < lora.parameters and qlora.peak < lora.peak
+    assert (qlora.gradients, qlora.optimizer_state) == (lora.gradients, lora.optimizer_state)
