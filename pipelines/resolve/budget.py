@@ -38,7 +38,7 @@ from pipelines.gpu_profiles import gpu_profile
 from pipelines.params import Params, apply_overrides
 from pipelines.resolve.memory_plan import MB, MemoryPlan
 from pipelines.resolve.target import PlanTarget, as_target
-from pipelines.runtime import cpu_has_fast_bf16
+from pipelines.runtime import EMULATED_BF16_SLOWDOWN, cpu_has_fast_bf16
 
 Planner = Callable[[Params], MemoryPlan]
 
@@ -108,9 +108,6 @@ def _precisions(target: PlanTarget) -> list[str]:
     if target.card is not None:
         return ["bf16" if target.card.bf16_flops is not None else "fp16", "fp32"]
     return ["fp32", "bf16"]
-
-
-EMULATED_BF16_SLOWDOWN = 17.0  # runtime.emulated_bf16_warning's measurement (AVX2 host)
 
 
 def precision_speed(precision: str, where: PlanTarget | torch.device, tf32: bool | str = "auto") -> float:

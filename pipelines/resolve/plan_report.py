@@ -14,7 +14,7 @@ from pathlib import Path
 from pipelines.data.tokenization import TOKENIZER_DIR, TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.params import Params, apply_overrides
-from pipelines.resolve.budget import choose_strategy
+from pipelines.resolve.budget import budget_bytes, choose_strategy
 from pipelines.resolve.memory_plan import MB, MemoryPlan, PlanUnavailable
 from pipelines.resolve.preflight import trial_planner
 from pipelines.resolve.target import PlanTarget
@@ -72,7 +72,7 @@ def _on_target(variant: Params, planner: object, target: PlanTarget, fastest: bo
         return TargetPlan(None, variant.precision, fastest=best, unavailable=str(err))
     if card is not None:
         return TargetPlan(plan, precision, card.reserve_bytes(plan.peak), card.fits(plan.peak), best)
-    fits = None if variant.memory_budget is None else plan.peak <= _bytes(variant)
+    fits = None if variant.memory_budget is None else plan.peak <= (budget_bytes(variant) or 0)
     return TargetPlan(plan, precision, None, fits, best)
 
 
@@ -89,12 +89,6 @@ def _fastest(variant: Params, planner: object, target: PlanTarget, budget: int |
         return choose_strategy(auto, planner, target, planning=True).why  # type: ignore[arg-type]
     except (PlanUnavailable, UserError) as err:
         return f"none fits: {err}"
-
-
-def _bytes(params: Params) -> int:
-    from pipelines.resolve.budget import budget_bytes
-
-    return budget_bytes(params) or 0
 
 
 def _size(value: int | None) -> str:

@@ -18,7 +18,7 @@ from pipelines.errors import UserError
 from pipelines.gpu_profiles import GPU_PROFILES, GpuProfile, gpu_profile, profile_for_device
 from pipelines.params import Params
 from pipelines.resolve.cuda_plan import CudaAttention, CudaAutocast, allocation_rounding
-from pipelines.runtime import ResolvedPrecision, autocast_rules, cpu_has_fast_bf16
+from pipelines.runtime import ResolvedPrecision, autocast_rules, resolve_precision
 
 CUDA = torch.device("cuda")
 CPU = torch.device("cpu")
@@ -43,9 +43,7 @@ class PlanTarget:
     def precision(self, params: Params) -> ResolvedPrecision:
         """`precision` resolved as a run on the target would resolve it; bf16 on a card without it is refused."""
         if self.card is None:
-            if params.precision == "auto":
-                return "bf16" if cpu_has_fast_bf16() else "fp32"
-            return params.precision
+            return resolve_precision(params, CPU)
         has_bf16 = self.card.bf16_flops is not None
         if params.precision == "auto":
             return "bf16" if has_bf16 else "fp16"
