@@ -29,6 +29,7 @@ def run_one(lr: float | str, tokenized: Path, root: Path, rule: str | None = Non
 
     from pipelines.data.tokenization import TOKENIZER_DIR, TokenizedSplit
     from pipelines.params import apply_overrides, load_params
+    from pipelines.runtime import resolve_runtime
     from pipelines.tasks import get_task
     from pipelines.train.engine import train_model
     from pipelines.train.lr_range import resolve_lr
@@ -44,7 +45,9 @@ def run_one(lr: float | str, tokenized: Path, root: Path, rule: str | None = Non
     model = task.build_model(params, tokenizer, tokenized, root)
     train = TokenizedSplit.load(tokenized / "train")
     start = time.perf_counter()
-    params, sweep = resolve_lr(params, model, train, tokenizer.pad_token_id, torch.device("cpu"), "fp32", task)
+    params, sweep = resolve_lr(
+        params, model, train, resolve_runtime(params, torch.device("cpu"), tokenizer.pad_token_id, "fp32"), task
+    )
     sweep_s = time.perf_counter() - start
     result = train_model(
         model, train, TokenizedSplit.load(tokenized / "validation"), params,

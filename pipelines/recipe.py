@@ -31,17 +31,11 @@ from pipelines.progress import TrialProgress
 from pipelines.resolve.preflight import Preflight, plan_before_training, trial_planner
 from pipelines.resolve.target import trial_target
 from pipelines.resolve.training import ResolvedTraining, resolve_training
-from pipelines.runtime import (
-    ResolvedPrecision,
-    emulated_bf16_warning,
-    resolve_device,
-    resolve_precision,
-    resolve_tf32,
-)
+from pipelines.runtime import Runtime, emulated_bf16_warning, resolve_device, resolve_runtime
 from pipelines.tasks import get_task
 from pipelines.tasks.base import Task
 from pipelines.train.checkpoint import discard
-from pipelines.train.engine import TrainResult, train_model
+from pipelines.train.engine import TrainResult, run_training
 from pipelines.train.flops import flops_metrics
 from pipelines.train.lr_range import LrRangeResult
 
@@ -122,16 +116,16 @@ class Trial:
 
 @dataclass(frozen=True)
 class Setup:
-    """What setup built: the task, tokenizer, (adapted) model and training split, the device and precision, and the
-    preflight's plan; the params are the preflight's (`resolve` then settles the rest into `ResolvedTraining`)."""
+    """What setup built: the task, tokenizer, (adapted) model and training split, the runtime (device, precision,
+    TF32, padding: resolved here, once), and the preflight's plan; the params are the preflight's (`resolve` then
+    settles the rest into `ResolvedTraining`)."""
 
     params: Params
     task: Task
     tokenizer: PreTrainedTokenizerBase
     model: PreTrainedModel
     train: TokenizedSplit
-    device: torch.device
-    precision: ResolvedPrecision
+    runtime: Runtime
     preflight: Preflight
     planner: Any
     started: float = field(default_factory=time.perf_counter)
@@ -165,7 +159,7 @@ def train_and_save(trial: Trial, params: Params, device: torch.device | None = N
 
 
 def set_up(trial: Trial, params: Params, device: torch.device | None) -> Setup:
-    """Tokenizer, model and training split; the memory plan with its budget and strategy; the precision."""
+    """Tokenizer, model and training split; the memory plan with its budget and strategy; the runtime."""
     started = time.perf_counter()
     torch.set_num_threads(trial.context.threads)
     seed_everything(params.seed)  # the same initial weights on every rank
@@ -185,11 +179,12 @@ def set_up(trial: Trial, params: Params, device: torch.device | None) -> Setup:
                      "without one"):  # fmt: skip
             if line:
                 trial.say(line)
-    precision = resolve_precision(params, device)
-    slow_bf16 = emulated_bf16_warning(precision, device)
+    runtime = resolve_runtime(params, device, tokenizer.pad_token_id)
+    slow_bf16 = emulated_bf16_warning(runtime.precision, device)
     if slow_bf16 and trial.rank == 0:
         warn_user(f"[{trial.variant}] {slow_bf16}")
-    trial.logger.log_tags({"precision.resolved": precision, "device.resolved": str(device), "task": params.task})
+    tags = {"precision.resolved": runtime.precision, "device.resolved": str(device), "task": params.task}
+    trial.logger.log_tags(tags)
     if params.adapter.type != "none" and not params.adapter.merge and trial.rank == 0:
         # What the adapter needs to be loaded again: a random base's weights, or where a pretrained one is.
         if params.model.name_or_path is None:
@@ -199,14 +194,13 @@ def set_up(trial: Trial, params: Params, device: torch.device | None) -> Setup:
     model = apply_adapter(model, params.adapter, task, params)
     if trial.rank:
         torch.manual_seed(params.seed + trial.rank)  # own dropout masks per rank
-    return Setup(params, task, tokenizer, model, train, device, precision, preflight, planner, started=started)
+    return Setup(params, task, tokenizer, model, train, runtime, preflight, planner, started=started)
 
 
 def resolve(trial: Trial, setup: Setup) -> ResolvedTraining:
     """Every `auto` left after the plan (the micro-batch, probed for real on CUDA; the learning rate), logged."""
-    pad_id = setup.tokenizer.pad_token_id
-    resolved = resolve_training(setup.preflight, setup.planner, setup.model, setup.train, setup.task, pad_id,
-                                setup.device, setup.precision, plans=trial.rank == 0)  # fmt: skip
+    resolved = resolve_training(setup.preflight, setup.planner, setup.model, setup.train, setup.task, setup.runtime,
+                                plans=trial.rank == 0)  # fmt: skip
     plan, sweep = resolved.plan, resolved.lr_sweep
     trial.logger.log_dict({**(plan.as_metrics() if plan else {}), **(sweep.as_metrics() if sweep else {})})
     if sweep:
@@ -251,14 +245,12 @@ def train(trial: Trial, setup: Setup, resolved: ResolvedTraining) -> TrainResult
         resume_messages.append(message)
 
     validation = TokenizedSplit.load(Path(trial.context.tokenized_dir) / "validation")
-    result = train_model(
+    result = run_training(
         setup.model,
         setup.train,
         validation,
         params,
-        pad_id=setup.tokenizer.pad_token_id,
-        device=resolved.device,
-        precision=resolved.precision,
+        resolved.runtime,
         on_log=on_log,
         on_epoch_end=on_epoch_end,
         checkpoint_dir=trial.checkpoint_dir,
@@ -273,11 +265,11 @@ def train(trial: Trial, setup: Setup, resolved: ResolvedTraining) -> TrainResult
 def evaluate_and_save(trial: Trial, setup: Setup, resolved: ResolvedTraining, result: TrainResult) -> dict[str, float]:
     """Rank 0: score the test split, save the model folder, log it as the run's MLflow model; the metrics."""
     params, tokenizer, out = resolved.params, setup.tokenizer, trial.out
-    device, precision = resolved.device, resolved.precision
+    runtime = resolved.runtime
     tokenized = Path(trial.context.tokenized_dir)
     eval_start = time.perf_counter()
     test = TokenizedSplit.load(tokenized / "test")
-    evaluation = setup.task.evaluate(setup.model, tokenizer, test, tokenized, params, device, precision)
+    evaluation = setup.task.evaluate(setup.model, tokenizer, test, tokenized, params, runtime.device, runtime.precision)
     test_eval_time = time.perf_counter() - eval_start
     save_start = time.perf_counter()
     save_trained(setup.model, out, params)
@@ -289,9 +281,9 @@ def evaluate_and_save(trial: Trial, setup: Setup, resolved: ResolvedTraining, re
     (out / "history.json").write_text(json.dumps(result.history) + "\n")
     metrics = {**result.metrics, **evaluation.metrics, "test_eval_time_s": test_eval_time}
     if resolved.plan is not None:  # achieved model FLOP/s (and MFU on a known GPU), from the plan's FLOPs per position
-        tf32 = resolve_tf32(params, precision, device)
         per_position = resolved.plan.model_flops_per_position()
-        metrics |= flops_metrics(per_position, metrics, device, precision, tf32, params.distributed.num_workers)
+        metrics |= flops_metrics(per_position, metrics, runtime.device, runtime.precision, runtime.tf32,
+                                 params.distributed.num_workers)  # fmt: skip
     base = pretrained_base(params, Path(trial.context.root))
     record_adapter_base(out, base)
     quality = {q.metric: metrics[q.metric] for q in setup.task.quality if q.metric in metrics}

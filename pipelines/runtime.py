@@ -1,4 +1,9 @@
-"""Pick the device and the precision the run can really use, or say why not before training."""
+"""Pick the device and the precision the run can really use, or say why not before training.
+
+`Runtime` is what a trial's tensors run with (device, precision, TF32, the pad multiple and pad id), resolved once
+per trial by `resolve_runtime`, the way accelerate's `Accelerator` is built once: the engine, the LR range test and
+the batch-size probe read it, and none of them resolves an `auto` of its own.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import importlib.util
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -157,3 +163,37 @@ def apply_tf32(enabled: bool) -> None:
     """Set TF32 for CUDA matmuls and cuDNN convolutions explicitly (cuDNN's default is on)."""
     torch.backends.cuda.matmul.allow_tf32 = enabled
     torch.backends.cudnn.allow_tf32 = enabled
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where and how a trial's tensors run, every `auto` resolved: device, precision, TF32, pad multiple, pad id."""
+
+    device: torch.device
+    precision: ResolvedPrecision
+    tf32: bool
+    pad_multiple: int | None
+    pad_id: int
+
+    def autocast(self) -> AbstractContextManager[object]:
+        """Autocast in this runtime's precision (a no-op in fp32)."""
+        return autocast_context(self.precision, self.device)
+
+    def apply(self) -> None:
+        """Set the process-wide CUDA switches this runtime stands for (TF32 explicitly; cuDNN's autotuner on)."""
+        if self.device.type == "cuda":
+            torch.backends.cudnn.benchmark = True
+            apply_tf32(self.tf32)
+
+    def notes(self) -> dict[str, str]:
+        """The resolved switches as MLflow tags."""
+        return {"tf32.resolved": str(self.tf32).lower(), "pad_to_multiple_of.resolved": str(self.pad_multiple)}
+
+
+def resolve_runtime(
+    params: Params, device: torch.device, pad_id: int, precision: ResolvedPrecision | None = None
+) -> Runtime:
+    """The runtime for `params` on `device`; `precision` when already resolved (else `params.precision`'s)."""
+    precision = precision or resolve_precision(params, device)
+    return Runtime(device, precision, resolve_tf32(params, precision, device), resolve_pad_multiple(params, device),
+                   pad_id)  # fmt: skip

@@ -80,19 +80,24 @@ def project_copy(tmp_path: Path) -> Path:
 
 
 SERVER_MARKERS = ("mlflow server", "mlflow.server", "uvicorn", "huey", "gunicorn")  # an MLflow server's processes
+# Every process this test session starts inherits this mark, even one re-parented when its parent died: the
+# leak check below counts only those, not a server another session (or a user) runs on the same machine.
+SESSION_MARK = "PIPELINES_TEST_SESSION"
+os.environ[SESSION_MARK] = str(os.getpid())
 
 
 def _server_processes() -> dict[int, str]:
-    """This machine's MLflow-server processes (the server, uvicorn, its job runner and huey consumers) by pid."""
+    """This session's MLflow-server processes (the server, uvicorn, its job runner and huey consumers) by pid."""
     import psutil
 
     found = {}
     for process in psutil.process_iter(["pid", "cmdline", "status"]):
         try:
             line = " ".join(process.info["cmdline"] or [])
+            ours = any(m in line for m in SERVER_MARKERS) and process.environ().get(SESSION_MARK) == str(os.getpid())
         except (psutil.Error, TypeError):
             continue
-        if process.info["status"] != psutil.STATUS_ZOMBIE and any(m in line for m in SERVER_MARKERS):
+        if process.info["status"] != psutil.STATUS_ZOMBIE and ours:
             found[process.info["pid"]] = line[:200]
     return found
 

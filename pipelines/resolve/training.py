@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from pipelines.data.batching import padded_length
@@ -19,7 +18,7 @@ from pipelines.params import Params
 from pipelines.resolve.budget import Planner
 from pipelines.resolve.memory_plan import MemoryPlan
 from pipelines.resolve.preflight import Preflight, plan_or_none
-from pipelines.runtime import ResolvedPrecision, resolve_pad_multiple
+from pipelines.runtime import Runtime
 from pipelines.tasks.base import Task
 from pipelines.train.batch_size import resolve_batch_size
 from pipelines.train.lr_range import LrRangeResult, resolve_lr
@@ -28,11 +27,11 @@ from pipelines.train.lr_range import LrRangeResult, resolve_lr
 @dataclass(frozen=True)
 class ResolvedTraining:
     """Every `auto` of a trial resolved: the params (micro-batch, accumulation, learning rate and the strategy's
-    choices all concrete), where and in which precision it trains, its plan and why, and the LR sweep if run."""
+    choices all concrete), the runtime it trains with (device, precision, TF32, padding), its plan and why, and the
+    LR sweep if run."""
 
     params: Params
-    device: torch.device
-    precision: ResolvedPrecision
+    runtime: Runtime
     plan: MemoryPlan | None
     plan_note: str
     lr_sweep: LrRangeResult | None = None
@@ -47,8 +46,8 @@ class ResolvedTraining:
 
 
 def resolve_training(
-    preflight: Preflight, planner: Planner, model: nn.Module, train: TokenizedSplit, task: Task, pad_id: int,
-    device: torch.device, precision: ResolvedPrecision, plans: bool = True,
+    preflight: Preflight, planner: Planner, model: nn.Module, train: TokenizedSplit, task: Task, runtime: Runtime,
+    plans: bool = True,
 ) -> ResolvedTraining:  # fmt: skip
     """The micro-batch and learning rate left `auto` after the preflight, on the adapted `model`.
 
@@ -57,10 +56,10 @@ def resolve_training(
     params = preflight.params
     longest = int(train.lengths.max())
     if params.data.bucketing:
-        longest = padded_length(longest, resolve_pad_multiple(params, device))
+        longest = padded_length(longest, runtime.pad_multiple)
     probed = params.batch_size == "auto"  # still auto: CUDA without a budget
     width = longest if params.data.bucketing else params.data.max_length
-    params = resolve_batch_size(params, model, width, device, precision)
+    params = resolve_batch_size(params, model, width, runtime, task)
     plan = plan_or_none(planner, params) if probed and plans else preflight.plan
-    params, sweep = resolve_lr(params, model, train, pad_id, device, precision, task)
-    return ResolvedTraining(params, device, precision, plan, preflight.note, sweep)
+    params, sweep = resolve_lr(params, model, train, runtime, task)
+    return ResolvedTraining(params, runtime, plan, preflight.note, sweep)

@@ -1,8 +1,10 @@
-"""How a trial's MLflow run is watched and how it ends: FINISHED, FAILED on an error, KILLED when stopped."""
+"""How a trial's MLflow run is watched, which metrics it lists first, and how it ends: FINISHED, FAILED on an error,
+KILLED when stopped."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -48,3 +50,24 @@ def watch_system(run_id: str, tracking_uri: str) -> Any:
     monitor = SystemMetricsMonitor(run_id, sampling_interval=5, tracking_uri=tracking_uri)
     monitor.start()
     return monitor
+
+
+def headline_metrics(task: str) -> tuple[str, ...]:
+    """What a trial is compared by first: the task's headline quality (the report's first quality column), then
+    train time and peak train memory."""
+    from pipelines.tasks import get_task
+
+    return (get_task(task).quality[0].metric, "train_time_s", "peak_train_memory_bytes")
+
+
+def list_first(client: Any, run_id: str, keys: Iterable[str]) -> None:
+    """Log each of `keys` as NaN ("not measured yet") at step 0, one call each, before any other metric of the run.
+
+    MLflow lists a run's metrics in the order they were first logged, and its compare view opens its
+    parallel-coordinates plot on the first metric the compared runs share: without this, that is
+    `system/cpu_utilization_percentage`, which the system-metrics monitor writes within seconds of the run's
+    start. The measured value, logged at the run's last step, replaces NaN as the run's value; a run that fails
+    keeps NaN, having measured nothing.
+    """
+    for key in keys:
+        client.log_metric(run_id, key, math.nan, step=0)

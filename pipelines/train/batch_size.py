@@ -20,8 +20,7 @@ from torch import nn
 
 from pipelines.errors import UserError
 from pipelines.params import Params, apply_overrides
-from pipelines.runtime import ResolvedPrecision
-from pipelines.tasks import get_task
+from pipelines.runtime import ResolvedPrecision, Runtime
 from pipelines.train.memory import SavedActivationMeter, parameter_bytes, restored_after, tensor_bytes
 from pipelines.train.optim import build_optimizer
 from pipelines.train.steps import backward_micro_batch, make_scaler, optimizer_step
@@ -46,16 +45,12 @@ def largest_fitting(effective: int, fits: Callable[[int], bool]) -> int:
     raise UserError("batch_size: auto found that not even one row of the longest length fits in memory")
 
 
-def probe_batch(
-    rows: int, length: int, vocab_size: int, device: torch.device, task: Task | None = None
-) -> dict[str, torch.Tensor]:
-    """A batch of `rows` full-length rows of arbitrary tokens (memory depends on shape, not content).
-
-    Its labels have the task's shape (default: a classifier's, one per row).
-    """
+def probe_batch(rows: int, length: int, vocab_size: int, device: torch.device, task: Task) -> dict[str, torch.Tensor]:
+    """A batch of `rows` full-length rows of arbitrary tokens (memory depends on shape, not content), with labels
+    of the task's shape."""
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(5, vocab_size, (rows, length), generator=generator).to(device)
-    labels = task.probe_labels(input_ids) if task else torch.zeros(rows, dtype=torch.long, device=device)
+    labels = task.probe_labels(input_ids)
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
 
 
@@ -66,7 +61,7 @@ def cuda_fits(
     device: torch.device,
     precision: ResolvedPrecision,
     params: Params,
-    task: Task | None = None,
+    task: Task,
 ) -> Callable[[int], bool]:
     """A probe that runs a full optimizer step of `rows` rows, with the optimizer state already allocated.
 
@@ -118,8 +113,8 @@ def cpu_fits(
     vocab_size: int,
     precision: ResolvedPrecision,
     optimizer_factor: float,
-    task: Task | None = None,
-):
+    task: Task,
+) -> Callable[[int], bool]:
     """A probe that scales one row's measured activation bytes against a share of the available RAM."""
     meter = SavedActivationMeter()
     with meter.measure():
@@ -140,16 +135,14 @@ def cpu_fits(
     return lambda rows: fixed + rows * meter.peak_bytes <= budget
 
 
-def resolve_batch_size(
-    params: Params, model: nn.Module, longest_row: int, device: torch.device, precision: ResolvedPrecision
-) -> Params:
+def resolve_batch_size(params: Params, model: nn.Module, longest_row: int, runtime: Runtime, task: Task) -> Params:
     """Return params with a concrete micro-batch and accumulation (unchanged unless batch_size is auto)."""
     if params.batch_size != "auto":
         return params
     assert params.effective_batch_size is not None  # the schema requires it with auto
+    device, precision = runtime.device, runtime.precision
     model.to(device).train()
     vocab_size = model.get_input_embeddings().num_embeddings
-    task = get_task(params.task)
     if device.type == "cuda":
         with restored_after(model):
             fits = cuda_fits(model, longest_row, vocab_size, device, precision, params, task)

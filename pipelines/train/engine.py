@@ -24,13 +24,11 @@ from torch import nn
 from pipelines.data.batching import HOST_COUNTS
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.params import Params
-from pipelines.runtime import ResolvedPrecision
+from pipelines.runtime import ResolvedPrecision, Runtime, resolve_runtime
 from pipelines.train.fast_dropout import FastDropoutUse, fast_dropout
 from pipelines.train.parallel import uses_fsdp
 from pipelines.train.results import world
-from pipelines.train.steps import (
-    task_of,
-)
+from pipelines.train.steps import task_of
 from pipelines.train.trainer import EpochFn, LogFn, Trainer
 
 if TYPE_CHECKING:
@@ -61,10 +59,33 @@ def train_model(
     say: Callable[[str], None] = print,
     task: Task | None = None,
 ) -> TrainResult:
-    """Train `model` in place for `params.epochs` and return what was measured.
+    """Train `model` in place for `params.epochs` on `device` in `precision`, and return what was measured.
 
-    `task` (default: the one `params.task` names) gives the batches' labels, the loss and the
-    validation metrics; the loop itself is the same for every task.
+    The entry point for callers outside a trial (benchmarks, tests): the runtime is resolved here from `params`,
+    then `run_training` trains. `task` defaults to the one `params.task` names.
+    """
+    runtime = resolve_runtime(params, device, pad_id, precision)
+    return run_training(model, train, validation, params, runtime, on_log=on_log, on_epoch_end=on_epoch_end,
+                        checkpoint_dir=checkpoint_dir, say=say, task=task_of(params, task))  # fmt: skip
+
+
+def run_training(
+    model: nn.Module,
+    train: TokenizedSplit,
+    validation: TokenizedSplit | None,
+    params: Params,
+    runtime: Runtime,
+    *,
+    task: Task,
+    on_log: LogFn | None = None,
+    on_epoch_end: EpochFn | None = None,
+    checkpoint_dir: Path | None = None,
+    say: Callable[[str], None] = print,
+) -> TrainResult:
+    """Train `model` in place for `params.epochs` with a resolved `runtime`, and return what was measured.
+
+    `task` gives the batches' labels, the loss and the validation metrics; the loop itself is the same for every
+    task.
 
     `validation` (when given) is scored at every epoch's end, on its own clock (`val_time_s`).
 
@@ -76,17 +97,17 @@ def train_model(
     checkpoints, and the logged loss and final metrics are reduced across ranks.
     """
     setup_start = time.perf_counter()
+    device = runtime.device
     if not uses_fsdp(params, world()[1]):
         model.to(device)  # under FSDP the shards go to the device, and the whole model stays on the host
-    train = task_of(params, task).training_split(train, params, model)  # packs, with data.packing
+    train = task.training_split(train, params, model)  # packs, with data.packing
     # Inductor draws its own fused dropout masks under compile; CUDA's dropout is already fused.
     use_fast_dropout = params.fast_dropout and device.type == "cpu" and not params.compile
-    probe = _probe_inputs(train, pad_id, task_of(params, task), params) if use_fast_dropout else None
-    with fast_dropout(model, probe, bf16=precision == "bf16") if use_fast_dropout else nullcontext() as use:
+    probe = _probe_inputs(train, runtime.pad_id, task, params) if use_fast_dropout else None
+    with fast_dropout(model, probe, bf16=runtime.precision == "bf16") if use_fast_dropout else nullcontext() as use:
         notes = {"fast_dropout": use.describe() if isinstance(use, FastDropoutUse) else "off"}
-        trainer = Trainer(model, train, validation, params, pad_id=pad_id, device=device, precision=precision,
-                          on_log=on_log, on_epoch_end=on_epoch_end, checkpoint_dir=checkpoint_dir, say=say,
-                          task=task_of(params, task))  # fmt: skip
+        trainer = Trainer(model, train, validation, params, runtime=runtime, on_log=on_log, on_epoch_end=on_epoch_end,
+                          checkpoint_dir=checkpoint_dir, say=say, task=task)  # fmt: skip
         metrics, state, trainer_notes = trainer.run(setup_start)
     return TrainResult(metrics=metrics, history=state.history, notes={**trainer_notes, **notes})
 

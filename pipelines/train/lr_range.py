@@ -32,7 +32,7 @@ from torch import nn
 from pipelines.data.loader import make_loader
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.params import LrRangeTestParams, Params, apply_overrides
-from pipelines.runtime import ResolvedPrecision, resolve_pad_multiple
+from pipelines.runtime import Runtime
 from pipelines.tasks.base import Task
 from pipelines.train.optim import build_optimizer
 from pipelines.train.steps import (
@@ -112,13 +112,12 @@ def lr_range_test(
     model: nn.Module,
     train: TokenizedSplit,
     params: Params,
-    pad_id: int,
-    device: torch.device,
-    precision: ResolvedPrecision,
+    runtime: Runtime,
     task: Task,
 ) -> LrRangeResult:
     """Run the sweep of `params.lr_range_test` on `train`; the model comes back as it went in."""
     start = time.perf_counter()
+    device, precision = runtime.device, runtime.precision
     settings = params.lr_range_test
     model.to(device).train()
     trainable = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
@@ -132,7 +131,6 @@ def lr_range_test(
     sampler = training_sampler(train, params)
     units = task.loss_units(train, params)
     in_process = params.model_copy(update={"num_workers": 0, "persistent_workers": False})
-    pad_multiple = resolve_pad_multiple(params, device)
     windows: list[list[list[int]]] = []
     epoch = 0
     while len(windows) < len(rates):  # a small split repeats its epochs
@@ -146,7 +144,7 @@ def lr_range_test(
         for rate, window in zip(rates, windows, strict=False):
             for group in optimizer.param_groups:
                 group["lr"] = float(rate)
-            loader = iter(make_loader(train, window, in_process, pad_id, device, pad_multiple, task))
+            loader = iter(make_loader(train, window, in_process, runtime.pad_id, device, runtime.pad_multiple, task))
             loss, _ = accumulate_window(
                 model, loader, window, precision, device, scaler, None, window_units(window, units), task
             )
@@ -179,13 +177,11 @@ def resolve_lr(
     params: Params,
     model: nn.Module,
     train: TokenizedSplit,
-    pad_id: int,
-    device: torch.device,
-    precision: ResolvedPrecision,
+    runtime: Runtime,
     task: Task,
 ) -> tuple[Params, LrRangeResult | None]:
     """Params with a concrete `lr` (the range test's pick under `lr: auto`; unchanged otherwise), and the sweep."""
     if params.lr != "auto":
         return params, None
-    result = lr_range_test(model, train, params, pad_id, device, precision, task)
+    result = lr_range_test(model, train, params, runtime, task)
     return apply_overrides(params, {"lr": result.chosen}), result

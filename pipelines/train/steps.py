@@ -78,19 +78,15 @@ def backward_micro_batch(
     precision: ResolvedPrecision,
     device: torch.device,
     scaler: torch.amp.GradScaler,
-    task: Task | None = None,
+    task: Task,
 ) -> torch.Tensor:
     """Forward under autocast, then backward of this batch's share of the window's mean loss.
 
     The task's loss is summed over the batch's loss units (rows, or target tokens) and divided
     by the units of the whole accumulation window, so every unit weighs the same whichever
     micro-batch it is in: k accumulated micro-batches give the gradient of one batch of all
-    their rows. Returns the (detached) contribution to the window's loss. `task`: default classification.
+    their rows. Returns the (detached) contribution to the window's loss.
     """
-    if task is None:
-        from pipelines.tasks import get_task
-
-        task = get_task("classification")
     with autocast_context(precision, device), offloading(model):
         total, _ = task.loss(model, batch)
     loss = total / max(units_in_window, 1)  # a window whose answers were all truncated away adds 0
@@ -155,12 +151,12 @@ def accumulate_window(
     device: torch.device,
     scaler: torch.amp.GradScaler,
     meter: object | None,
-    units_in_window: float | None = None,
-    task: Task | None = None,
+    units_in_window: float | None,
+    task: Task,
 ) -> tuple[torch.Tensor, WindowCounts]:
     """Forward and backward every micro-batch of one window; return its loss and what it held (`WindowCounts`).
 
-    The loss is divided by `units_in_window`, the window's loss units (`window_units`; default:
+    The loss is divided by `units_in_window`, the window's loss units (`window_units`; None:
     its rows, a classifier's unit). Under data parallelism the caller passes the units of the
     *global* window divided by the rank count, so that DDP's gradient average over ranks gives
     the mean over every unit of the global batch. `meter`, when given, has a `measure()` context

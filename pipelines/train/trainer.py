@@ -22,7 +22,7 @@ from pipelines.data.loader import make_loader
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.params import Params
-from pipelines.runtime import ResolvedPrecision, apply_tf32, resolve_pad_multiple, resolve_tf32
+from pipelines.runtime import Runtime
 from pipelines.train.checkpoint import LoopState, find_resumable, restore, save_checkpoint
 from pipelines.train.memory import MemoryAtPeak, gradient_bytes, restored_after, track_step, track_training_peak
 from pipelines.train.memory_levers import apply_memory_levers
@@ -69,24 +69,21 @@ class Trainer:
         validation: TokenizedSplit | None,
         params: Params,
         *,
-        pad_id: int,
-        device: torch.device,
-        precision: ResolvedPrecision,
+        runtime: Runtime,
         on_log: LogFn | None,
         on_epoch_end: EpochFn | None,
         checkpoint_dir: Path | None,
         say: Callable[[str], None],
         task: Task,
     ) -> None:
-        self.train, self.validation, self.params, self.pad_id = train, validation, params, pad_id
-        self.device, self.precision, self.task, self.say = device, precision, task, say
+        self.train, self.validation, self.params, self.runtime = train, validation, params, runtime
+        self.device, self.precision, self.pad_id = runtime.device, runtime.precision, runtime.pad_id
+        self.pad_multiple, self.task, self.say = runtime.pad_multiple, task, say
         self.on_log, self.on_epoch_end, self.checkpoint_dir = on_log, on_epoch_end, checkpoint_dir
+        device, precision = runtime.device, runtime.precision
         model.train()
         apply_memory_levers(model, params, task, device)  # checkpointing, offloading, the loss, kernels
-        self.tf32 = resolve_tf32(params, precision, device)
-        if device.type == "cuda":
-            torch.backends.cudnn.benchmark = True
-            apply_tf32(self.tf32)
+        runtime.apply()
         self.rank, self.world_size = world()
         self.fsdp = uses_fsdp(params, self.world_size)
         self.whole = model  # the caller's model: trained in place, or under FSDP given the gathered weights at the end
@@ -96,7 +93,6 @@ class Trainer:
             if checkpoint_dir is not None:
                 say("FSDP: no checkpoints are written (sharded state is not saved for resume yet); the run starts over")
                 self.checkpoint_dir = None
-        self.pad_multiple = resolve_pad_multiple(params, device)
         self.sampler = training_sampler(train, params, self.world_size, self.rank)
         self.total_steps = sum(
             math.ceil(len(self.sampler.batches(e)) / params.grad_accum_steps) for e in range(params.epochs)
@@ -121,8 +117,7 @@ class Trainer:
             gather_full_weights(self.model, self.whole, self.rank, self.device)
         if self.world_size > 1:
             metrics = reduce_final_metrics(metrics, self.device)
-        notes = {"tf32.resolved": str(self.tf32).lower(), "pad_to_multiple_of.resolved": str(self.pad_multiple)}
-        return metrics, self.state, notes
+        return metrics, self.state, self.runtime.notes()
 
     def start(self, setup_start: float) -> None:
         """Measure memory on the first window, resume from a checkpoint, wrap the model, start the clocks.

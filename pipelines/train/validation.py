@@ -22,10 +22,7 @@ def evaluate_split(
     pad_id: int,
     device: torch.device,
     precision: ResolvedPrecision,
-    task: Task | None = None,
+    task: Task,
 ) -> dict[str, float]:
     """The task's validation metrics of `split` (`val_loss` and its own), e.g. at an epoch's end."""
-    from pipelines.tasks import get_task
-
-    task = task or get_task(params.task)
     return task.validation_metrics(model, split, params, pad_id, device, precision)

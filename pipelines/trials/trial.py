@@ -29,7 +29,7 @@ from pipelines.tracking.runs import (
     quiet_mlflow_info,
     start_run,
 )
-from pipelines.tracking.status import ended_run, open_client, watch_system
+from pipelines.tracking.status import ended_run, headline_metrics, list_first, open_client, watch_system
 from pipelines.train.checkpoint import claim_checkpoint_dir
 from pipelines.train.memory import reset_peak_rss
 from pipelines.trials.ray_cluster import progress_bar
@@ -76,13 +76,14 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
         context.parent_run_id,
     )
     logger = RunLogger(client, run_id, fallback_dir=context.fallback_dir)
-    system_metrics = watch_system(run_id, context.tracking_uri)
+    monitors: list[Any] = []  # the system-metrics monitor, started once the headline metrics are listed first
 
     def close(status: str) -> None:
-        try:
-            system_metrics.finish()
-        except Exception as err:  # noqa: BLE001 - system metrics are best effort; the run's own metrics are not
-            print(f"system metrics could not be flushed: {err}")
+        for system_metrics in monitors:
+            try:
+                system_metrics.finish()
+            except Exception as err:  # noqa: BLE001 - system metrics are best effort; the run's own metrics are not
+                print(f"system metrics could not be flushed: {err}")
         logger.close(status)
 
     def record_error(err: Exception) -> None:
@@ -96,6 +97,7 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
 
     with ended_run(close, record_error, record_stop):
         params = trial_params(config, context, variant, client, run_id, logger, rss_reset)
+        monitors.append(watch_system(run_id, context.tracking_uri))
         with claim_checkpoint_dir(Path(context.checkpoint_root), params) as checkpoint_dir:
             if params.distributed.num_workers > 1:
                 from pipelines.trials.distributed import run_distributed_trial
@@ -119,6 +121,7 @@ def trial_params(
     """The trial's params (the base with its variant's and sampled overrides), logged with its inputs."""
     overrides = trial_overrides(config, context.variants)
     params = apply_overrides(Params.model_validate(context.params), overrides, source=f"variant {variant!r}")
+    list_first(client, run_id, headline_metrics(params.task))  # what MLflow's compare view opens on
     log_params(client, run_id, params)
     logger.log_tags(
         {

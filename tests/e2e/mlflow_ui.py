@@ -71,12 +71,38 @@ def mlflow_ui(store: Path) -> Iterator[str]:
         proc.wait()
 
 
-def runs_table_rows(url: str, seconds: float = 90, ready: Callable[[list[str]], bool] = bool) -> list[str]:
-    """Open `url` (an experiment's runs page) in headless Chromium, expand nested runs; each row's text.
+class Page:
+    """A headless Chromium tab driven over DevTools: `navigate(url)`, then `js(expression)` for a value."""
 
-    The rows' cells (datasets, models) load after the rows, later on a loaded machine: the rows are read
-    again until `ready(rows)` holds or `seconds` have passed (then the last read is returned, for the assert).
-    """
+    def __init__(self, ws: Any) -> None:
+        self.ws, self.calls = ws, iter(range(1, 10**6))
+
+    def call(self, method: str, **params: Any) -> dict[str, Any]:
+        number = next(self.calls)
+        self.ws.send(json.dumps({"id": number, "method": method, "params": params}))
+        while True:
+            message = json.loads(self.ws.recv())
+            if message.get("id") == number:
+                return message.get("result", {})
+
+    def js(self, expression: str) -> Any:
+        result = self.call("Runtime.evaluate", expression=expression, returnByValue=True)
+        return result.get("result", {}).get("value")
+
+    def navigate(self, url: str) -> None:
+        self.call("Page.navigate", url=url)
+
+    def wait_for(self, expression: str, seconds: float, what: str) -> None:
+        deadline = time.monotonic() + seconds
+        while not self.js(expression):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what} did not render within {seconds:.0f} s")
+            time.sleep(1)
+
+
+@contextmanager
+def headless_page() -> Iterator[Page]:
+    """A tab of headless Chromium (skips the test when Chromium is not installed)."""
     import websocket
 
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -93,37 +119,41 @@ def runs_table_rows(url: str, seconds: float = 90, ready: Callable[[list[str]], 
             targets = json.load(wait_for(f"http://127.0.0.1:{port}/json", 30))
             page = next(t for t in targets if t["type"] == "page")
             ws = websocket.create_connection(page["webSocketDebuggerUrl"], timeout=60)
-            calls = iter(range(1, 10**6))
-
-            def call(method: str, **params: Any) -> dict[str, Any]:
-                number = next(calls)
-                ws.send(json.dumps({"id": number, "method": method, "params": params}))
-                while True:
-                    message = json.loads(ws.recv())
-                    if message.get("id") == number:
-                        return message.get("result", {})
-
-            def js(expression: str) -> Any:
-                result = call("Runtime.evaluate", expression=expression, returnByValue=True)
-                return result.get("result", {}).get("value")
-
-            call("Page.enable")
-            call("Page.navigate", url=url)
-            deadline = time.monotonic() + seconds
-            while not js("document.querySelectorAll('.ag-row[row-index]').length"):
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"the runs table did not render within {seconds:.0f} s")
-                time.sleep(1)
-            time.sleep(2)  # let the rows' cells (datasets, models) load
-            js(EXPAND_ROWS)
-            time.sleep(4)
-            rows = js(ROW_TEXTS)
-            cells_deadline = time.monotonic() + seconds
-            while not ready(rows) and time.monotonic() < cells_deadline:
-                time.sleep(2)
-                rows = js(ROW_TEXTS)
+            tab = Page(ws)
+            tab.call("Page.enable")
+            yield tab
             ws.close()
-            return rows
         finally:
             proc.kill()
             proc.wait()
+
+
+def runs_table_rows(url: str, seconds: float = 90, ready: Callable[[list[str]], bool] = bool) -> list[str]:
+    """Open `url` (an experiment's runs page) in headless Chromium, expand nested runs; each row's text.
+
+    The rows' cells (datasets, models) load after the rows, later on a loaded machine: the rows are read
+    again until `ready(rows)` holds or `seconds` have passed (then the last read is returned, for the assert).
+    """
+    with headless_page() as page:
+        page.navigate(url)
+        page.wait_for("document.querySelectorAll('.ag-row[row-index]').length", seconds, "the runs table")
+        time.sleep(2)  # let the rows' cells (datasets, models) load
+        page.js(EXPAND_ROWS)
+        time.sleep(4)
+        rows = page.js(ROW_TEXTS)
+        cells_deadline = time.monotonic() + seconds
+        while not ready(rows) and time.monotonic() < cells_deadline:
+            time.sleep(2)
+            rows = page.js(ROW_TEXTS)
+        return rows
+
+
+def compare_view_metrics(url: str, experiment_id: str, run_ids: list[str], seconds: float = 90) -> list[str]:
+    """The metrics MLflow's compare view (`Compare` on selected runs) plots when it opens: its parallel-coordinates
+    plot's selection, read from the page's text between "Metrics:" and "Clear All"."""
+    compare = f"{url}/#/compare-runs?runs={json.dumps(run_ids)}&experiments={json.dumps([experiment_id])}"
+    with headless_page() as page:
+        page.navigate(compare)
+        page.wait_for("document.body.innerText.includes('Clear All')", seconds, "the compare view's plot controls")
+        text = page.js("document.body.innerText")
+    return text.split("Metrics:", 1)[1].split("Clear All", 1)[0].split()

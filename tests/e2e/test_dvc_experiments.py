@@ -10,7 +10,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import run, write_params
-from tests.e2e.mlflow_ui import mlflow_ui, runs_table_rows
+from tests.e2e.mlflow_ui import compare_view_metrics, mlflow_ui, runs_table_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -66,8 +66,14 @@ def test_strategy_grid_in_one_dvc_repro_reports_relative_to_vanilla(project_copy
         with_datasets = sum(bool(re.search(r"test \([0-9a-f]{12}\)", row)) for row in rows)
         return with_datasets >= len(STRATEGIES) and any("finetune-classification v1" in row for row in rows)
 
+    client = MlflowClient(tracking_uri=f"sqlite:///{project_copy / 'mlflow.db'}")
+    trial_ids = [r.info.run_id for r in client.search_runs([experiment_id]) if "mlflow.parentRunId" in r.data.tags]
     with mlflow_ui(project_copy / "mlflow.db") as url:
         rows = runs_table_rows(f"{url}/#/experiments/{experiment_id}/runs", ready=every_cell_loaded)
+        # `Compare` on the trials opens its plot on the headline quality (not system/cpu_utilization_percentage).
+        compared = compare_view_metrics(url, experiment_id, trial_ids)
+    assert compared == ["test_accuracy"], compared
+    assert len(trial_ids) == len(STRATEGIES)
     trial_rows = {name: row for name in STRATEGIES for row in rows if re.search(rf"\b{re.escape(name)}-\w+", row)}
     assert set(trial_rows) == set(STRATEGIES), rows
     for name, row in trial_rows.items():

@@ -17,6 +17,7 @@ from transformers import BertConfig, BertForSequenceClassification
 
 from pipelines.data.loader import make_loader, to_device
 from pipelines.data.tokenization import TokenizedSplit
+from pipelines.runtime import resolve_runtime
 from pipelines.tasks import get_task
 from pipelines.train import batch_size as auto
 from pipelines.train.engine import train_model
@@ -111,7 +112,9 @@ def test_batch_size_auto_finds_a_size_that_trains_with_its_optimizer_state(defau
     model = bert(hidden=256, layers=4, vocab=30000).to(CUDA)  # weights, gradients and moments: about 150 MB
     static = sum(p.numel() * p.element_size() for p in model.parameters()) * 4
     with memory_cap(static + 600 * 2**20):  # room for the state and some activations, not for 256 rows
-        resolved = auto.resolve_batch_size(params, model, 256, CUDA, "fp32")
+        resolved = auto.resolve_batch_size(
+            params, model, 256, resolve_runtime(params, CUDA, 0, "fp32"), get_task(params.task)
+        )
         assert resolved.batch_size < 256 and resolved.batch_size * resolved.grad_accum_steps == 256
         result = train(resolved, model=model, split=split)
     assert result.metrics["oom_halvings"] == 0 and math.isfinite(result.metrics["final_train_loss"])

@@ -8,7 +8,9 @@ import pytest
 
 from pipelines.errors import UserError
 from pipelines.params import TrackingParams, resolve_repo_root
+from pipelines.tasks import get_task
 from pipelines.tracking.runs import RunLogger, open_experiment, resolve_tracking_uri, start_run
+from pipelines.tracking.status import headline_metrics, list_first
 
 
 def test_relative_stores_become_absolute(tmp_path: Path):
@@ -73,3 +75,24 @@ def test_logger_writes_a_fallback_file_when_the_store_never_comes_back(tmp_path:
     record = json.loads((tmp_path / f"{'0' * 32}.json").read_text())
     assert len(record["metrics"]) == 25 and record["status"] == "FINISHED" and record["tags"] == {"note": "kept"}
     assert any("buffering" in m for m in messages) and "were written to" in messages[-1]
+
+
+@pytest.mark.parametrize("task", ["classification", "causal_lm", "seq2seq"])
+def test_the_headline_metrics_are_listed_first_and_keep_their_measured_values(tmp_path: Path, task: str):
+    # MLflow lists a run's metrics in first-logged order; its compare view opens on the first one
+    # (tests/e2e/test_dvc_experiments.py reads it from the real UI). A trial lists its headline first.
+    tracking = TrackingParams(uri="sqlite:///store.db", experiment="t", registered_model=None)
+    client, experiment = open_experiment(tracking, tmp_path)
+    run_id = start_run(client, experiment, "r", {})
+    headline = headline_metrics(task)
+    list_first(client, run_id, headline)
+    client.log_metric(run_id, "system/cpu_utilization_percentage", 50.0, step=0)  # what the monitor writes
+    logger = RunLogger(client, run_id)
+    logger.log_dict({"train_loss": 0.5}, step=3)
+    measured = {key: 1.0 + i for i, key in enumerate(headline)}
+    logger.log_dict(measured, step=3)  # the trial's final metrics, at its last step
+    logger.close()
+    run = client.get_run(run_id)
+    assert [m.key for m in run.data._metric_objs][:3] == list(headline)
+    assert headline[0] == get_task(task).quality[0].metric
+    assert {key: run.data.metrics[key] for key in headline} == measured  # NaN only until measured

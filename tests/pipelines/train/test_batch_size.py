@@ -6,10 +6,14 @@ import pytest
 import torch
 
 from pipelines.params import ParamsError
+from pipelines.runtime import resolve_runtime
 from pipelines.tasks import classification_scoring as scoring
+from pipelines.tasks import get_task
 from pipelines.train import batch_size as auto
 from tests.conftest import tiny_params
 from tests.pipelines.train.helpers import tiny_model
+
+CLASSIFICATION = get_task("classification")
 
 
 def test_largest_fitting_divisor_is_chosen():
@@ -22,18 +26,21 @@ def test_largest_fitting_divisor_is_chosen():
 def test_auto_on_cpu_keeps_the_effective_batch(default_params, monkeypatch):
     params = tiny_params(default_params, batch_size="auto", effective_batch_size=64)
     model = tiny_model()
-    resolved = auto.resolve_batch_size(params, model, 40, torch.device("cpu"), "fp32")
+    resolved = auto.resolve_batch_size(
+        params, model, 40, resolve_runtime(params, torch.device("cpu"), 0, "fp32"), CLASSIFICATION
+    )
     assert resolved.batch_size * resolved.grad_accum_steps == 64 and resolved.batch_size == 64  # plenty of RAM
     # With little memory available, the micro-batch shrinks and accumulation makes up the rest.
     meter_row = auto.SavedActivationMeter()
     with meter_row.measure():
         auto.backward_micro_batch(
             model,
-            auto.probe_batch(1, 40, 120, torch.device("cpu")),
+            auto.probe_batch(1, 40, 120, torch.device("cpu"), CLASSIFICATION),
             1,
             "fp32",
             torch.device("cpu"),
             torch.amp.GradScaler("cpu", enabled=False),
+            CLASSIFICATION,
         )
     fixed = auto.parameter_bytes(model) * 4
     available = (fixed + 10 * meter_row.peak_bytes) / auto.CPU_MEMORY_SHARE
@@ -43,7 +50,9 @@ def test_auto_on_cpu_keeps_the_effective_batch(default_params, monkeypatch):
 
     FakeMemory.available = available
     monkeypatch.setattr(auto.psutil, "virtual_memory", lambda: FakeMemory)
-    small = auto.resolve_batch_size(params, model, 40, torch.device("cpu"), "fp32")
+    small = auto.resolve_batch_size(
+        params, model, 40, resolve_runtime(params, torch.device("cpu"), 0, "fp32"), CLASSIFICATION
+    )
     assert (small.batch_size, small.grad_accum_steps) == (8, 8)
 
 
@@ -121,7 +130,7 @@ def test_the_cuda_probe_runs_full_steps_beside_the_optimizer_state_and_puts_the_
     model.state_present = lambda: bool(built and built[0].state)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with auto.restored_after(model):
-        fits = auto.cuda_fits(model, 30, 120, torch.device("cpu"), "fp32", params)
+        fits = auto.cuda_fits(model, 30, 120, torch.device("cpu"), "fp32", params, CLASSIFICATION)
         rows = auto.largest_fitting(32, fits)
         assert built[0].state, "the probe's optimizer holds its state"
     # 16 rows fit without optimizer state (16 <= 20), not beside it (32 > 20): the probe says 8.

@@ -10,6 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator
+from pipelines.tasks import get_task
 from pipelines.train.steps import accumulate_window, global_window_rows, plan_windows
 from tests.pipelines.train.helpers import loopback_init_method, loopback_process_group, tiny_model, tiny_split
 
@@ -37,7 +38,7 @@ def _ddp_gradients(rank: int) -> dict[str, torch.Tensor]:
     global_rows = sum(len(b) for batches in RANK_BATCHES for b in batches)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     loader = iter(collate(b) for b in window)
-    accumulate_window(model, loader, window, "fp32", CPU, scaler, None, global_rows / 2)
+    accumulate_window(model, loader, window, "fp32", CPU, scaler, None, global_rows / 2, get_task("classification"))
     return {n: p.grad for n, p in model.module.named_parameters()}
 
 
@@ -51,7 +52,17 @@ def test_two_ranks_with_unequal_rows_give_the_mean_gradient_over_all_rows(tmp_pa
     collate = PadCollator(split, pad_id=0, fixed_length=None, pad_to_multiple_of=None)
     everything = [b for batches in RANK_BATCHES for b in batches]
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    accumulate_window(model, iter(collate(b) for b in everything), everything, "fp32", CPU, scaler, None)
+    accumulate_window(
+        model,
+        iter(collate(b) for b in everything),
+        everything,
+        "fp32",
+        CPU,
+        scaler,
+        None,
+        None,
+        get_task("classification"),
+    )
     worst = max((ddp[n] - p.grad).abs().max().item() for n, p in model.named_parameters())
     assert worst < 1e-6, worst
 

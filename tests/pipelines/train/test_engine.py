@@ -9,12 +9,15 @@ import torch
 
 from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator
 from pipelines.tasks import classification_scoring as scoring
+from pipelines.tasks import get_task
 from pipelines.train.engine import train_model
 from pipelines.train.memory import SavedActivationMeter, optimizer_state_bytes, parameter_bytes
 from pipelines.train.optim import build_optimizer
 from pipelines.train.steps import accumulate_window, backward_micro_batch, halve_windows, plan_windows
 from tests.conftest import tiny_params
 from tests.pipelines.train.helpers import loopback_init_method, loopback_process_group, tiny_model, tiny_split
+
+CLASSIFICATION = get_task("classification")
 
 CPU = torch.device("cpu")
 
@@ -28,7 +31,7 @@ def accumulated_gradients(model, split, batches: list[list[int]], rows_in_window
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     model.zero_grad(set_to_none=True)
     for batch in batches:
-        backward_micro_batch(model, collate(batch), rows_in_window, "fp32", CPU, scaler)
+        backward_micro_batch(model, collate(batch), rows_in_window, "fp32", CPU, scaler, CLASSIFICATION)
     return gradients(model)
 
 
@@ -74,7 +77,7 @@ def test_checkpointing_same_gradients_and_at_least_40_percent_fewer_saved_activa
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         meter = SavedActivationMeter()
         with meter.measure():
-            backward_micro_batch(model, batch, 16, "fp32", CPU, scaler)
+            backward_micro_batch(model, batch, 16, "fp32", CPU, scaler, CLASSIFICATION)
         results[checkpointing] = (gradients(model), meter.peak_bytes)
     assert_close(results[False][0], results[True][0], atol=1e-6)
     plain, checkpointed = results[False][1], results[True][1]
@@ -86,7 +89,7 @@ def optimizer_bytes_after_one_step(name: str) -> tuple[int, int]:
     optimizer = build_optimizer(name, model, 1e-3, 0.01, CPU)
     split = tiny_split(rows=8)
     batch = PadCollator(split, pad_id=0, fixed_length=None, pad_to_multiple_of=None)(list(range(8)))
-    backward_micro_batch(model, batch, 8, "fp32", CPU, torch.amp.GradScaler("cpu", enabled=False))
+    backward_micro_batch(model, batch, 8, "fp32", CPU, torch.amp.GradScaler("cpu", enabled=False), CLASSIFICATION)
     optimizer.step()
     return optimizer_state_bytes(optimizer), parameter_bytes(model)
 
@@ -336,10 +339,10 @@ def _ddp_all_reduce_counts() -> tuple[int, int]:
     window = [list(range(i, i + 8)) for i in range(0, 32, 8)]  # 4 micro-batches
     collate = PadCollator(split, pad_id=0, fixed_length=None, pad_to_multiple_of=None)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    accumulate_window(ddp, iter([collate(window[0])]), window[:1], "fp32", CPU, scaler, None)
+    accumulate_window(ddp, iter([collate(window[0])]), window[:1], "fp32", CPU, scaler, None, None, CLASSIFICATION)
     per_backward = len(calls)
     calls.clear()
-    accumulate_window(ddp, iter(collate(b) for b in window), window, "fp32", CPU, scaler, None)
+    accumulate_window(ddp, iter(collate(b) for b in window), window, "fp32", CPU, scaler, None, None, CLASSIFICATION)
     return per_backward, len(calls)
 
 

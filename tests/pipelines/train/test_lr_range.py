@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from pipelines.params import apply_overrides
+from pipelines.runtime import resolve_runtime
 from pipelines.tasks import get_task
 from pipelines.train.lr_range import pick_lr, resolve_lr, smooth
 from tests.conftest import tiny_params
@@ -39,7 +40,9 @@ def test_the_sweep_stops_on_divergence_and_restores_the_model(default_params):
     rng = torch.get_rng_state()
     task = get_task("classification")
 
-    resolved, sweep = resolve_lr(params, model, tiny_split(rows=320, seed=1), 0, torch.device("cpu"), "fp32", task)
+    resolved, sweep = resolve_lr(
+        params, model, tiny_split(rows=320, seed=1), resolve_runtime(params, torch.device("cpu"), 0, "fp32"), task
+    )
 
     assert sweep is not None and resolved.lr == sweep.chosen
     assert params.lr_range_test.min_lr <= sweep.chosen <= 0.9
@@ -51,6 +54,10 @@ def test_the_sweep_stops_on_divergence_and_restores_the_model(default_params):
 def test_a_fixed_rate_runs_no_sweep(default_params):
     params = tiny_params(default_params, lr=0.01)
     same, sweep = resolve_lr(
-        params, tiny_model(), tiny_split(), 0, torch.device("cpu"), "fp32", get_task("classification")
+        params,
+        tiny_model(),
+        tiny_split(),
+        resolve_runtime(params, torch.device("cpu"), 0, "fp32"),
+        get_task("classification"),
     )
     assert sweep is None and same.lr == 0.01

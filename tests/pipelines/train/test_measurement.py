@@ -11,11 +11,14 @@ import torch
 
 from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator
 from pipelines.tasks import classification_scoring as scoring
+from pipelines.tasks import get_task
 from pipelines.train.engine import train_model
 from pipelines.train.memory import SavedActivationMeter, peak_rss_bytes, reset_peak_rss
 from pipelines.train.steps import backward_micro_batch
 from tests.conftest import tiny_params
 from tests.pipelines.train.helpers import tiny_model, tiny_split
+
+CLASSIFICATION = get_task("classification")
 
 CPU = torch.device("cpu")
 
@@ -112,7 +115,7 @@ def saved_activation_bytes(default_params, checkpointing: bool) -> int:
     batch = PadCollator(split, pad_id=0, fixed_length=None, pad_to_multiple_of=None)(rows)
     meter = SavedActivationMeter()
     with meter.measure():
-        backward_micro_batch(model, batch, 16, "fp32", CPU, torch.amp.GradScaler("cpu", enabled=False))
+        backward_micro_batch(model, batch, 16, "fp32", CPU, torch.amp.GradScaler("cpu", enabled=False), CLASSIFICATION)
     return meter.peak_bytes
 
 
