@@ -109,11 +109,13 @@ def headless_page() -> Iterator[Page]:
     if browser is None:
         pytest.skip("headless Chromium not installed (.ci/run installs Debian's chromium)")
     port = free_port()
+    # Chromium's renderer and utility processes outlive a killed browser process and keep writing to the
+    # profile: the whole session is killed (kill_session) before the profile is removed.
     with tempfile.TemporaryDirectory() as profile:
         proc = subprocess.Popen(
             [browser, "--headless", "--no-sandbox", "--disable-gpu", f"--remote-debugging-port={port}",
              f"--user-data-dir={profile}", "--window-size=2400,1600", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
         try:
             targets = json.load(wait_for(f"http://127.0.0.1:{port}/json", 30))
@@ -124,7 +126,7 @@ def headless_page() -> Iterator[Page]:
             yield tab
             ws.close()
         finally:
-            proc.kill()
+            kill_session(proc.pid)
             proc.wait()
 
 
