@@ -28,7 +28,6 @@ from pipelines.runtime import ResolvedPrecision, Runtime, resolve_runtime
 from pipelines.train.fast_dropout import FastDropoutUse, fast_dropout
 from pipelines.train.parallel import uses_fsdp
 from pipelines.train.results import world
-from pipelines.train.steps import task_of
 from pipelines.train.trainer import EpochFn, LogFn, Trainer
 
 if TYPE_CHECKING:
@@ -66,7 +65,7 @@ def train_model(
     """
     runtime = resolve_runtime(params, device, pad_id, precision)
     return run_training(model, train, validation, params, runtime, on_log=on_log, on_epoch_end=on_epoch_end,
-                        checkpoint_dir=checkpoint_dir, say=say, task=task_of(params, task))  # fmt: skip
+                        checkpoint_dir=checkpoint_dir, say=say, task=task or _named_task(params))  # fmt: skip
 
 
 def run_training(
@@ -110,6 +109,13 @@ def run_training(
                           checkpoint_dir=checkpoint_dir, say=say, task=task)  # fmt: skip
         metrics, state, trainer_notes = trainer.run(setup_start)
     return TrainResult(metrics=metrics, history=state.history, notes={**trainer_notes, **notes})
+
+
+def _named_task(params: Params) -> Task:
+    """The task `params.task` names (train_model's default for callers outside a trial)."""
+    from pipelines.tasks import get_task
+
+    return get_task(params.task)
 
 
 def _probe_inputs(train: TokenizedSplit, pad_id: int, task: Task, params: Params) -> dict[str, torch.Tensor]:

@@ -42,15 +42,6 @@ if TYPE_CHECKING:
 FP16_INITIAL_SCALE = 2.0**16
 
 
-def task_of(params: Params, task: Task | None) -> Task:
-    """`task`, else the one `params.task` names."""
-    if task is not None:
-        return task
-    from pipelines.tasks import get_task
-
-    return get_task(params.task)
-
-
 def make_scaler(precision: ResolvedPrecision, device: torch.device) -> torch.amp.GradScaler:
     """A GradScaler for every precision: dynamic loss scaling in fp16, a fixed scale of 1.0 otherwise."""
     return torch.amp.GradScaler(device.type, init_scale=FP16_INITIAL_SCALE if precision == "fp16" else 1.0)
