@@ -213,5 +213,5 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto`: one worker per core, at most MAX_WORKERS and as many as memory holds at GIB_PER_WORKER each."""
     import psutil
 
-    by_memory = int(psutil.virtual_memory().available / 2**30 // GIB_PER_WORKER)
+    by_memory = psutil.virtual_memory().available // (GIB_PER_WORKER * 2**30)
     return max(1, min(os.cpu_count() or 1, by_memory, MAX_WORKERS))
