@@ -27,7 +27,7 @@ test suite runs it on CPU so the command cannot rot while no GPU is lent).
 from __future__ import annotations
 
 import argparse
-import gc
+import importlib
 import importlib.util
 import json
 import sys
@@ -38,6 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.bench_gpu_peer import free_device_memory, run_trainer
+from benchmarks.bench_gpu_report import HF_LIKE_FOR_LIKE, markdown
 from benchmarks.common import AG_NEWS, REPO_ROOT, TRAINING_BASE, minilm_path, subset
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.params import Params, apply_overrides, load_params
@@ -75,12 +77,24 @@ CLASSIFIER_CONFIGS: dict[str, dict[str, Any]] = {
     "bucketing+bf16": {"data.bucketing": True, "precision": "bf16"},
     "all combined": ALL_COMBINED,
 }
-CAUSAL_BASE = {"task": "causal_lm", "precision": "bf16", "data.bucketing": True, "batch_size": 16, "lr": 3e-4}
+# The causal LM's baseline holds the full logits (`loss_impl: full`): each memory lever is then measured against it.
+CAUSAL_BASE = {
+    "task": "causal_lm", "precision": "bf16", "data.bucketing": True, "batch_size": 16, "lr": 3e-4, "loss_impl": "full",
+}  # fmt: skip
 CAUSAL_CONFIGS: dict[str, dict[str, Any]] = {
     "llama bf16": {},
     "llama bf16+packing": {"data.packing": True},
+    "llama chunked CE": {"loss_impl": "chunked"},
+    "llama checkpointing every 2": {"grad_checkpointing": True, "grad_checkpointing_every": 2},
+    "llama checkpointing": {"grad_checkpointing": True},
+    "llama offload": {"activation_offload": True},
+    "llama checkpointing+offload": {"grad_checkpointing": True, "activation_offload": True},
+    "llama liger": {"kernels": "liger"},
+    "llama lean combined": {"loss_impl": "chunked", "grad_checkpointing": True, "activation_offload": True},
+    "llama lora": {"adapter.type": "lora", "lr": 1e-3},
+    "llama qlora": {"adapter.type": "qlora", "lr": 1e-3},
+    "llama adamw_8bit": {"optim": "adamw_8bit"},
 }
-HF_LIKE_FOR_LIKE = "bucketing+bf16"
 
 
 # ---- prepare (here, on the CPU machine) ------------------------------------------------------------------------
@@ -144,18 +158,14 @@ def params_for(overrides: dict[str, Any], device: torch.device, smoke: bool) -> 
     return apply_overrides(params, {**BASE, "device": device.type, **overrides, **extra})
 
 
-def free_device_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
 def run_ours(
     params: Params, make_model: Any, train: TokenizedSplit, test: TokenizedSplit | None, meta: dict[str, int],
     device: torch.device, flops_per_position: float,
 ) -> dict[str, float]:  # fmt: skip
-    """Train one configuration with the engine; its own metrics, MFU and (for the classifier) test accuracy."""
+    """Train one configuration with the engine; its own metrics, MFU and (for the classifier) test accuracy.
+
+    The adapter (`adapter.type`: LoRA, or QLoRA's 4-bit base) is applied as the trial applies it."""
+    from pipelines.adapters import apply_adapter
     from pipelines.runtime import resolve_precision, resolve_tf32
     from pipelines.tasks import get_task
     from pipelines.tasks.classification_scoring import evaluate_model
@@ -164,9 +174,12 @@ def run_ours(
 
     free_device_memory()
     torch.manual_seed(params.seed)
-    model = make_model()
-    precision = resolve_precision(params, device)
     task = get_task(params.task)
+    adapt = lambda model: apply_adapter(model, params.adapter, task, params)  # noqa: E731
+    # Planned first, as a trial plans before it trains (a trained model's kernels, e.g. Liger's, are not planned).
+    planned = planned_peak(params, make_model, adapt, train, meta, device)
+    model = adapt(make_model())
+    precision = resolve_precision(params, device)
     start = time.perf_counter()
     result = train_model(
         model, train, None, params, pad_id=meta["pad_id"], device=device, precision=precision,
@@ -175,7 +188,6 @@ def run_ours(
     wall = time.perf_counter() - start
     m = result.metrics
     tf32 = resolve_tf32(params, precision, device)
-    planned = planned_peak(params, make_model, train, meta, device)
     out = {
         "planned_peak_mb": planned / 2**20,
         "samples_per_s": m["samples_per_s"],
@@ -205,8 +217,9 @@ def run_ours(
     return out
 
 
-def planned_peak(params: Params, make_model: Any, train: TokenizedSplit, meta: dict[str, int], device: torch.device
-                 ) -> float:  # fmt: skip
+def planned_peak(
+    params: Params, make_model: Any, adapt: Any, train: TokenizedSplit, meta: dict[str, int], device: torch.device
+) -> float:  # fmt: skip
     """The memory plan's peak for this configuration, made for this device (a GPU: its card's profile and rules,
     as `python -m stages.plan --target <card>` makes it on any machine); NaN when it cannot be planned."""
     from pipelines.resolve.memory_plan import PlanUnavailable, plan_memory
@@ -214,9 +227,11 @@ def planned_peak(params: Params, make_model: Any, train: TokenizedSplit, meta: d
     from pipelines.tasks import get_task
 
     target = as_target(device)
+    task = get_task(params.task)
+    rows = task.training_split(train, params, None)  # a packed run's packs, as the engine makes them
     try:
-        plan = plan_memory(params, get_task(params.task), train, make_model, lambda model: model, meta["pad_id"],
-                           target.precision(params), target=target)  # fmt: skip
+        plan = plan_memory(params, task, rows, make_model, adapt, meta["pad_id"], target.precision(params),
+                           target=target)  # fmt: skip
     except PlanUnavailable as err:
         print(f"  not planned: {err}", file=sys.stderr)
         return float("nan")
@@ -233,202 +248,117 @@ def model_flops_per_position(params: Params, make_model: Any, train: TokenizedSp
     return plan.model_flops_per_position()
 
 
-def run_trainer(
-    params: Params, make_model: Any, train: TokenizedSplit, test: TokenizedSplit, meta: dict[str, int],
-    device: torch.device,
-) -> dict[str, float]:  # fmt: skip
-    """The Hugging Face Trainer on the same rows, batch, lr, schedule and precision, with `group_by_length`."""
-    import tempfile
-
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    def sync() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    class Clock(TrainerCallback):
-        first_end: float | None = None
-        last_end = 0.0
-
-        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001 - the Trainer's signature
-            if self.first_end is None:
-                self.first_end = sync()
-
-        def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001
-            self.last_end = sync()
-
-    def rows(split: TokenizedSplit) -> list[dict[str, Any]]:
-        return [
-            {"input_ids": split.input_ids[o : o + n].tolist(), "labels": int(label)}
-            for o, n, label in zip(split.offsets, split.lengths, split.labels, strict=True)
-        ]
-
-    def collate(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        width = -(-max(len(f["input_ids"]) for f in features) // 8) * 8  # as ours on CUDA: a multiple of 8
-        ids = torch.full((len(features), width), meta["pad_id"], dtype=torch.long)
-        for i, f in enumerate(features):
-            ids[i, : len(f["input_ids"])] = torch.tensor(f["input_ids"])
-        labels = torch.tensor([f["labels"] for f in features])
-        return {"input_ids": ids, "attention_mask": (ids != meta["pad_id"]).long(), "labels": labels}
-
-    free_device_memory()
-    torch.manual_seed(params.seed)
-    model = make_model()
-    steps = -(-len(train) // params.batch_size) * params.epochs
-    clock = Clock()
-    with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(
-            output_dir=out, per_device_train_batch_size=params.batch_size, per_device_eval_batch_size=64,
-            num_train_epochs=params.epochs, learning_rate=params.lr, weight_decay=params.weight_decay,
-            warmup_steps=int(params.warmup_ratio * steps), lr_scheduler_type="linear",
-            max_grad_norm=params.max_grad_norm, bf16=params.precision == "bf16", use_cpu=device.type == "cpu",
-            train_sampling_strategy="group_by_length", report_to="none", save_strategy="no", eval_strategy="no",
-            logging_strategy="no", disable_tqdm=True, seed=params.seed, dataloader_num_workers=params.num_workers,
-            dataloader_pin_memory=params.pin_memory and device.type == "cuda",
-        )  # fmt: skip
-        trainer = Trainer(model=model, args=args, train_dataset=rows(train), data_collator=collate, callbacks=[clock])
-        start = time.perf_counter()
-        trainer.train()
-        wall = time.perf_counter() - start
-        peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else float("nan")
-        reserved = torch.cuda.max_memory_reserved() if device.type == "cuda" else float("nan")
-        prediction = trainer.predict(rows(test))
-    seconds = clock.last_end - (clock.first_end or clock.last_end)
-    timed_rows = len(train) * params.epochs - params.batch_size  # every step's rows but the first's
-    timed_tokens = int(train.lengths.sum()) * params.epochs * timed_rows / (len(train) * params.epochs)
-    # Scored with label_ids: with group_by_length the Trainer returns rows in length-grouped order.
-    accuracy = float((prediction.predictions.argmax(-1) == prediction.label_ids).mean())
-    del model, trainer
-    return {
-        "samples_per_s": timed_rows / seconds,
-        "tokens_per_s": timed_tokens / seconds,
-        "train_time_s": seconds,
-        "wall_time_s": wall,
-        "peak_allocated_mb": peak / 2**20,
-        "peak_reserved_mb": reserved / 2**20,
-        "accuracy": accuracy,
-    }
-
-
 # ---- the whole benchmark ---------------------------------------------------------------------------------------
-def run_all(data: Path, smoke: bool, only: list[str] | None) -> dict[str, Any]:
-    """Every configuration in this process, one after the other; returns the per-configuration figures."""
+def run_all(
+    data: Path, smoke: bool, only: list[str] | None, save: Any = lambda report: None, causal_rows: int | None = None
+) -> dict[str, Any]:
+    """Every configuration in this process, one after the other; returns the per-configuration figures.
+
+    `save(report)` is called after each configuration, so a run cut short still leaves what it measured."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not (data / "meta.json").is_file():
         sys.exit(f"no prepared data at {data}: run `python -m benchmarks.bench_gpu prepare` first (on the CPU machine)")
     meta = json.loads((data / "meta.json").read_text())
-    limit = 192 if smoke else 10**9
+    # The smoke run only checks the command: few rows (the causal LM's bf16 is emulated on most CPUs).
+    limits = {"classification": 192, "causal_lm": 32} if smoke else {"classification": 10**9, "causal_lm": 10**9}
+    if causal_rows is not None:
+        limits["causal_lm"] = causal_rows
     splits = {
         task: {name: subset(TokenizedSplit.load(data / task / name), limit) for name in ("train", "test")}
-        for task in ("classification", "causal_lm")
+        for task, limit in limits.items()
     }
-    results: dict[str, dict[str, Any]] = {}
-    skipped: dict[str, str] = {}
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": importlib.import_module("transformers").__version__,
+        "smoke": smoke,
+        "train_rows": len(splits["classification"]["train"]),
+        "causal_train_rows": len(splits["causal_lm"]["train"]),
+        "cuda_context_mb": {"start": cuda_outside_torch_mb(device)},
+        "model_flops_per_position": {},
+        "results": {},
+        "skipped": {},
+    }
+    run_classifier(report, splits["classification"], meta, device, smoke, only, save)
+    run_causal(report, splits["causal_lm"]["train"], meta, device, smoke, only, save)
+    report["cuda_context_mb"]["end"] = cuda_outside_torch_mb(device)
+    return report
 
-    def wanted(name: str) -> bool:
-        return only is None or name in only
 
-    cls_train, cls_test = splits["classification"]["train"], splits["classification"]["test"]
+def cuda_outside_torch_mb(device: torch.device) -> float:
+    """The device memory in use that torch's allocator does not hold (the CUDA context, cuBLAS's workspaces and
+    other libraries' own allocations): what the plan's reserve must cover beside the allocator's slack."""
+    if device.type != "cuda":
+        return float("nan")
+    torch.zeros(1, device=device)  # the context exists from the first allocation
+    free, total = torch.cuda.mem_get_info()
+    return (total - free - torch.cuda.memory_reserved()) / 2**20
+
+
+def run_classifier(
+    report: dict[str, Any], split: dict[str, TokenizedSplit], meta: dict[str, int], device: torch.device,
+    smoke: bool, only: list[str] | None, save: Any,
+) -> None:  # fmt: skip
+    """BERT-base's configurations, then the Trainer like for like, into `report`."""
+    results, skipped = report["results"], report["skipped"]
+    train, test = split["train"], split["test"]
     make_bert = lambda: bert_base(meta["vocab_size"], smoke)  # noqa: E731
-    vanilla = params_for({}, device, smoke)
-    bert_flops = model_flops_per_position(vanilla, make_bert, cls_train, meta)
+    flops = model_flops_per_position(params_for({}, device, smoke), make_bert, train, meta)
+    report["model_flops_per_position"]["bert"] = flops
     for name, overrides in CLASSIFIER_CONFIGS.items():
         reason = why_not(overrides, device)
-        if reason or not wanted(name):
+        if reason or not (only is None or name in only):
             skipped[name] = reason or "not asked for"
             continue
         print(f"{name} ...", file=sys.stderr, flush=True)
-        params = params_for(overrides, device, smoke)
-        results[name] = run_ours(params, make_bert, cls_train, cls_test, meta, device, bert_flops)
-    if wanted("HF Trainer bf16") and device.type == "cuda" or smoke:
+        results[name] = run_ours(params_for(overrides, device, smoke), make_bert, train, test, meta, device, flops)
+        save(report)
+    if (only is None or "HF Trainer bf16" in only) and device.type == "cuda" or smoke:
         print("HF Trainer bf16 ...", file=sys.stderr, flush=True)
         like = params_for(CLASSIFIER_CONFIGS[HF_LIKE_FOR_LIKE], device, smoke)
-        results["HF Trainer bf16"] = run_trainer(like, make_bert, cls_train, cls_test, meta, device)
+        results["HF Trainer bf16"] = run_trainer(like, make_bert, train, test, meta, device)
+        save(report)
 
-    lm_train = splits["causal_lm"]["train"]
+
+def run_causal(
+    report: dict[str, Any], train: TokenizedSplit, meta: dict[str, int], device: torch.device, smoke: bool,
+    only: list[str] | None, save: Any,
+) -> None:  # fmt: skip
+    """The Llama-shaped decoder's configurations (packing and the memory levers), into `report`."""
     make_llama = lambda: llama_125m(meta["vocab_size"], meta["pad_id"], meta["eos_id"], smoke)  # noqa: E731
-    lm_base = params_for(CAUSAL_BASE, device, smoke)
-    llama_flops = model_flops_per_position(lm_base, make_llama, lm_train, meta)
+    flops = model_flops_per_position(params_for(CAUSAL_BASE, device, smoke), make_llama, train, meta)
+    report["model_flops_per_position"]["llama"] = flops
     for name, overrides in CAUSAL_CONFIGS.items():
-        if not wanted(name):
+        reason = why_not(overrides, device)
+        if reason or not (only is None or name in only):
+            report["skipped"][name] = reason or "not asked for"
             continue
         print(f"{name} ...", file=sys.stderr, flush=True)
         params = params_for({**CAUSAL_BASE, **overrides}, device, smoke)
-        results[name] = run_ours(params, make_llama, lm_train, None, meta, device, llama_flops)
-    return {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "smoke": smoke,
-        "train_rows": len(cls_train),
-        "model_flops_per_position": {"bert": bert_flops, "llama": llama_flops},
-        "results": results,
-        "skipped": skipped,
-    }
+        report["results"][name] = run_ours(params, make_llama, train, None, meta, device, flops)
+        save(report)
+
+
+# What each CUDA-only setting needs: (setting, value) -> (the package it needs or None, why not on a CPU).
+CUDA_ONLY: dict[tuple[str, Any], tuple[str | None, str]] = {
+    ("precision", "fp16"): (None, "fp16 with loss scaling needs CUDA"),
+    ("optim", "adamw_8bit"): ("bitsandbytes", "8-bit AdamW needs CUDA"),
+    ("adapter.type", "qlora"): ("bitsandbytes", "QLoRA's 4-bit base needs CUDA"),
+    ("activation_offload", True): (None, "activation offloading needs CUDA"),
+    ("kernels", "liger"): ("liger_kernel", "Liger's Triton kernels need CUDA"),
+}
 
 
 def why_not(overrides: dict[str, Any], device: torch.device) -> str:
     """Why a configuration cannot run on this device ('' when it can)."""
-    if overrides.get("precision") == "fp16" and device.type != "cuda":
-        return "fp16 with loss scaling needs CUDA"
-    if overrides.get("optim") == "adamw_8bit":
+    for (key, value), (package, on_cpu) in CUDA_ONLY.items():
+        if overrides.get(key) != value:
+            continue
         if device.type != "cuda":
-            return "8-bit AdamW needs CUDA"
-        if importlib.util.find_spec("bitsandbytes") is None:
-            return "bitsandbytes is not installed (its CUDA wheel is larger than what can be carried to the machine)"
+            return on_cpu
+        if package is not None and importlib.util.find_spec(package) is None:
+            return f"{package} is not installed (carry its wheel to the GPU machine)"
     return ""
-
-
-def planned(r: dict[str, float]) -> str:
-    """The plan's peak and its ratio to the measured one ('–' where there is none, e.g. the Trainer)."""
-    plan = r.get("planned_peak_mb", float("nan"))
-    if not np.isfinite(plan):
-        return "–"
-    return f"{plan:.0f} MB ({plan / r['peak_allocated_mb']:.2f}x)"
-
-
-def markdown(report: dict[str, Any]) -> str:
-    """The figures as a table, each as a % of its baseline (vanilla fp32; llama bf16 for packing)."""
-    results = report["results"]
-    lines = [
-        f"Device: {report['device']}, torch {report['torch']}; {report['train_rows']} AG News train rows, 1 epoch.",
-        "",
-        "| Configuration | Samples/s | Tokens/s | Peak allocated | Planned (plan / measured) | Peak reserved "
-        "| Model TFLOP/s | MFU | Test accuracy |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, r in results.items():
-        base = results.get("llama bf16" if name.startswith("llama") else "vanilla fp32", r)
-
-        def rel(key: str, r: dict[str, float] = r, base: dict[str, float] = base) -> str:
-            share = 100 * r[key] / base[key] if base.get(key) else float("nan")
-            return f" ({share:.0f}%)" if base is not r and np.isfinite(share) else ""
-
-        mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "–"
-        tflops = f"{r['model_tflops_per_s']:.1f}" if "model_tflops_per_s" in r else "–"
-        accuracy = f"{100 * r['accuracy']:.1f}%" if "accuracy" in r else "–"
-        lines.append(
-            f"| {name} | {r['samples_per_s']:.0f}{rel('samples_per_s')} | {r['tokens_per_s']:.0f}{rel('tokens_per_s')} "
-            f"| {r['peak_allocated_mb']:.0f} MB{rel('peak_allocated_mb')} | {planned(r)} "
-            f"| {r['peak_reserved_mb']:.0f} MB{rel('peak_reserved_mb')} | {tflops} | {mfu} | {accuracy} |"
-        )
-    for name, reason in report["skipped"].items():
-        lines.append(f"| {name} | not run: {reason} | | | | | | | |")
-    if "HF Trainer bf16" in results and HF_LIKE_FOR_LIKE in results:
-        ours, theirs = results[HF_LIKE_FOR_LIKE], results["HF Trainer bf16"]
-        lines += [
-            "",
-            f"Ours ({HF_LIKE_FOR_LIKE}) vs the HF Trainer (bf16, group_by_length), like for like: "
-            f"{ours['samples_per_s'] / theirs['samples_per_s']:.2f}x the samples/s, "
-            f"{ours['peak_allocated_mb'] / theirs['peak_allocated_mb']:.2f}x the peak allocated memory.",
-        ]
-    if "all combined" in results and "vanilla fp32" in results:
-        combined, vanilla = results["all combined"], results["vanilla fp32"]
-        lines.append(
-            f"All combined vs vanilla: {vanilla['samples_per_s'] / combined['samples_per_s']:.2f}x the time per "
-            f"sample, {combined['peak_allocated_mb'] / vanilla['peak_allocated_mb']:.2f}x the peak memory."
-        )
-    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -439,20 +369,24 @@ def main() -> None:
     parser.add_argument("--markdown", type=Path, help="also write the table here")
     parser.add_argument("--smoke", action="store_true", help="tiny models and a few rows, on any device")
     parser.add_argument("--only", nargs="+", help="run only these configurations")
+    parser.add_argument("--causal-rows", type=int, help="train the causal LM on this many rows (default: all)")
     args = parser.parse_args()
     if args.action == "prepare":
         prepare(args.data)
         return
     start = time.perf_counter()
-    report = run_all(args.data, args.smoke, args.only)
-    report["command"] = " ".join(["python -m benchmarks.bench_gpu", *sys.argv[1:]])
-    report["total_time_s"] = time.perf_counter() - start
-    table = markdown(report)
-    print(table)
+    command = " ".join(["python -m benchmarks.bench_gpu", *sys.argv[1:]])
+
+    def save(report: dict[str, Any]) -> None:
+        report.update(command=command, total_time_s=time.perf_counter() - start)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        if args.markdown:
+            args.markdown.write_text(markdown(report))
+
+    report = run_all(args.data, args.smoke, args.only, save, args.causal_rows)
+    save(report)
+    print(markdown(report))
     print(f"total {report['total_time_s']:.0f} s")
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    if args.markdown:
-        args.markdown.write_text(table)
 
 
 if __name__ == "__main__":

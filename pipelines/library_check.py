@@ -23,6 +23,10 @@ def missing_internals() -> list[str]:
         for name in ("_update_peak_stats", "_track_module_params_and_buffers", "track_external", "reset_mod_stats")
         if not hasattr(MemTracker, name)
     ]
+    from torch.distributed._tools import mod_tracker
+
+    if not hasattr(mod_tracker, "register_multi_grad_hook"):  # wrapped to remove its hooks (train/memory.py)
+        missing.append("torch mod_tracker.register_multi_grad_hook")
     if not hasattr(torch.amp.GradScaler, "_found_inf_per_device"):
         missing.append("torch GradScaler._found_inf_per_device")
     from transformers import LlamaForCausalLM

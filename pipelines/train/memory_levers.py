@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -75,7 +76,20 @@ def _apply_kernels(model: nn.Module, params: Params, device: torch.device) -> No
         raise UserError("kernels: liger needs the liger-kernel package: pip install liger-kernel (CUDA only)")
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
-    _apply_liger_kernel_to_instance(model=unwrapped(model))
+    inner = unwrapped(model)
+    modeling = sys.modules[type(inner).__module__]
+    before = dict(vars(modeling))
+    # Liger's norm and SwiGLU kernels on this model's modules. Not its fused linear cross-entropy: that replaces the
+    # model's forward, which then ignores our 2-D `logits_to_keep` (on an H100: logits for every row at every kept
+    # position); `loss_impl: chunked` is the loss's lever, holding one chunk of logits as Liger's loss does. Not its
+    # RoPE either: Liger can only swap that in the modeling module, for every model of the process.
+    _apply_liger_kernel_to_instance(model=inner, fused_linear_cross_entropy=False, cross_entropy=False, rope=False)
+    # Liger also swaps the module's classes; put them back, so that models built later in this process (a memory
+    # plan's fake-tensor model, the next trial's) are not given Triton kernels they did not ask for. On an H100 a
+    # plan made after a Liger run crashed the CUDA context ("illegal memory access").
+    for name, value in before.items():
+        if vars(modeling).get(name) is not value:
+            setattr(modeling, name, value)
 
 
 def apply_memory_levers(

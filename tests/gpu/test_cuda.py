@@ -74,11 +74,12 @@ def memory_cap(bytes_allowed: float) -> Iterator[None]:
     """Let the caching allocator hold at most `bytes_allowed` (beyond it, a real CUDA out-of-memory error)."""
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(CUDA).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, bytes_allowed / total), CUDA)
+    # An index, not torch.device('cuda'): torch 2.11 refuses a device without one here.
+    torch.cuda.set_per_process_memory_fraction(min(1.0, bytes_allowed / total), torch.cuda.current_device())
     try:
         yield
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, CUDA)
+        torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
         torch.cuda.empty_cache()
 
 
