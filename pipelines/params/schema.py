@@ -72,8 +72,8 @@ class Params(StrictModel):
         "is ever held); auto: chunked where the vocabulary has at least 32,768 entries and the model allows it."
     )
     kernels: Literal["none", "liger"] = Field(
-        description="CUDA: liger swaps in Liger-Kernel's fused Triton kernels (RMSNorm, RoPE, SwiGLU, fused "
-        "linear cross-entropy) for the model families it supports; none: the model's own code."
+        description="CUDA: liger swaps in Liger-Kernel's fused Triton kernels (RMSNorm, SwiGLU) for the model "
+        "families it supports, on this model only; the loss's lever is loss_impl; none: the model's own code."
     )
     lr: LearningRate = Field(
         description="Peak learning rate, or `auto`: an LR range test on the training split picks it before training "
