@@ -13,6 +13,7 @@ from pipelines.params import Params
 
 
 def free_device_memory() -> None:
+    """Free what the last configuration left (garbage, the CUDA cache) and reset the allocator's peaks."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
