@@ -42,7 +42,7 @@ from benchmarks.bench_gpu_peer import free_device_memory, run_trainer
 from benchmarks.bench_gpu_report import HF_LIKE_FOR_LIKE, markdown
 from benchmarks.common import AG_NEWS, REPO_ROOT, TRAINING_BASE, minilm_path, subset
 from pipelines.data.tokenization import TokenizedSplit
-from pipelines.params import Params, apply_overrides, load_params
+from pipelines.params import Params, ParamsError, apply_overrides, load_params
 
 DATA = REPO_ROOT / ".bench_gpu"  # ignored by git; carried to the GPU machine
 TEST_ROWS = 1520
@@ -274,20 +274,20 @@ def run_all(
         "smoke": smoke,
         "train_rows": len(splits["classification"]["train"]),
         "causal_train_rows": len(splits["causal_lm"]["train"]),
-        "cuda_context_mb": {"start": cuda_outside_torch_mb(device)},
+        "outside_allocator_mb": {"start": cuda_outside_torch_mb(device)},
         "model_flops_per_position": {},
         "results": {},
         "skipped": {},
     }
     run_classifier(report, splits["classification"], meta, device, smoke, only, save)
     run_causal(report, splits["causal_lm"]["train"], meta, device, smoke, only, save)
-    report["cuda_context_mb"]["end"] = cuda_outside_torch_mb(device)
+    report["outside_allocator_mb"]["end"] = cuda_outside_torch_mb(device)
     return report
 
 
 def cuda_outside_torch_mb(device: torch.device) -> float:
-    """The device memory in use that torch's allocator does not hold (the CUDA context, cuBLAS's workspaces and
-    other libraries' own allocations): what the plan's reserve must cover beside the allocator's slack."""
+    """The device memory in use that torch's allocator does not hold (the CUDA context, kernels as they are first
+    loaded, other libraries' own allocations): what the plan's reserve must cover beside the allocator's slack."""
     if device.type != "cuda":
         return float("nan")
     torch.zeros(1, device=device)  # the context exists from the first allocation
@@ -300,23 +300,17 @@ def run_classifier(
     smoke: bool, only: list[str] | None, save: Any,
 ) -> None:  # fmt: skip
     """BERT-base's configurations, then the Trainer like for like, into `report`."""
-    results, skipped = report["results"], report["skipped"]
     train, test = split["train"], split["test"]
     make_bert = lambda: bert_base(meta["vocab_size"], smoke)  # noqa: E731
     flops = model_flops_per_position(params_for({}, device, smoke), make_bert, train, meta)
     report["model_flops_per_position"]["bert"] = flops
-    for name, overrides in CLASSIFIER_CONFIGS.items():
-        reason = why_not(overrides, device)
-        if reason or not (only is None or name in only):
-            skipped[name] = reason or "not asked for"
-            continue
-        print(f"{name} ...", file=sys.stderr, flush=True)
-        results[name] = run_ours(params_for(overrides, device, smoke), make_bert, train, test, meta, device, flops)
-        save(report)
+    configs = {name: params_for_or_why_not(overrides, device, smoke) for name, overrides in CLASSIFIER_CONFIGS.items()}
+    run_configurations(report, configs, only, save, lambda params: run_ours(params, make_bert, train, test, meta,
+                                                                            device, flops))  # fmt: skip
     if (only is None or "HF Trainer bf16" in only) and device.type == "cuda" or smoke:
         print("HF Trainer bf16 ...", file=sys.stderr, flush=True)
         like = params_for(CLASSIFIER_CONFIGS[HF_LIKE_FOR_LIKE], device, smoke)
-        results["HF Trainer bf16"] = run_trainer(like, make_bert, train, test, meta, device)
+        report["results"]["HF Trainer bf16"] = run_trainer(like, make_bert, train, test, meta, device)
         save(report)
 
 
@@ -328,37 +322,46 @@ def run_causal(
     make_llama = lambda: llama_125m(meta["vocab_size"], meta["pad_id"], meta["eos_id"], smoke)  # noqa: E731
     flops = model_flops_per_position(params_for(CAUSAL_BASE, device, smoke), make_llama, train, meta)
     report["model_flops_per_position"]["llama"] = flops
-    for name, overrides in CAUSAL_CONFIGS.items():
-        reason = why_not(overrides, device)
-        if reason or not (only is None or name in only):
-            report["skipped"][name] = reason or "not asked for"
+    configs = {
+        name: params_for_or_why_not({**CAUSAL_BASE, **overrides}, device, smoke)
+        for name, overrides in CAUSAL_CONFIGS.items()
+    }
+    run_configurations(report, configs, only, save, lambda params: run_ours(params, make_llama, train, None, meta,
+                                                                            device, flops))  # fmt: skip
+
+
+def run_configurations(
+    report: dict[str, Any], configs: dict[str, Params | str], only: list[str] | None, save: Any, run: Any
+) -> None:
+    """`run(params)` for each configuration asked for, into the report's results; the others into its skipped."""
+    for name, params in configs.items():
+        if isinstance(params, str) or not (only is None or name in only):
+            report["skipped"][name] = params if isinstance(params, str) else "not asked for"
             continue
         print(f"{name} ...", file=sys.stderr, flush=True)
-        params = params_for({**CAUSAL_BASE, **overrides}, device, smoke)
-        report["results"][name] = run_ours(params, make_llama, train, None, meta, device, flops)
+        report["results"][name] = run(params)
         save(report)
 
 
-# What each CUDA-only setting needs: (setting, value) -> (the package it needs or None, why not on a CPU).
-CUDA_ONLY: dict[tuple[str, Any], tuple[str | None, str]] = {
-    ("precision", "fp16"): (None, "fp16 with loss scaling needs CUDA"),
-    ("optim", "adamw_8bit"): ("bitsandbytes", "8-bit AdamW needs CUDA"),
-    ("adapter.type", "qlora"): ("bitsandbytes", "QLoRA's 4-bit base needs CUDA"),
-    ("activation_offload", True): (None, "activation offloading needs CUDA"),
-    ("kernels", "liger"): ("liger_kernel", "Liger's Triton kernels need CUDA"),
+# The packages CUDA-only settings need beyond torch (none of them a dependency of the project).
+PACKAGE_FOR: dict[tuple[str, Any], str] = {
+    ("optim", "adamw_8bit"): "bitsandbytes",
+    ("adapter.type", "qlora"): "bitsandbytes",
+    ("kernels", "liger"): "liger_kernel",
 }
 
 
-def why_not(overrides: dict[str, Any], device: torch.device) -> str:
-    """Why a configuration cannot run on this device ('' when it can)."""
-    for (key, value), (package, on_cpu) in CUDA_ONLY.items():
-        if overrides.get(key) != value:
-            continue
-        if device.type != "cuda":
-            return on_cpu
-        if package is not None and importlib.util.find_spec(package) is None:
+def params_for_or_why_not(overrides: dict[str, Any], device: torch.device, smoke: bool) -> Params | str:
+    """The configuration's params, or why it cannot run here: the params rules' refusal (a CUDA-only setting on a
+    CPU), or a package it needs that is not installed."""
+    try:
+        params = params_for(overrides, device, smoke)
+    except ParamsError as err:  # "overrides is invalid:" and one "  - <why>" line per refusal: the whys, on one line
+        return "; ".join(line.strip().removeprefix("- ") for line in str(err).splitlines()[1:])
+    for (key, value), package in PACKAGE_FOR.items():
+        if overrides.get(key) == value and importlib.util.find_spec(package) is None:
             return f"{package} is not installed (carry its wheel to the GPU machine)"
-    return ""
+    return params
 
 
 def main() -> None:

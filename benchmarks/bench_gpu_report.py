@@ -24,7 +24,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"Device: {report['device']}, torch {report['torch']}, transformers {report.get('transformers')}; "
         f"{report['train_rows']} AG News train rows for BERT, {report.get('causal_train_rows')} for the Llama, "
         "1 epoch; "
-        f"device memory outside torch's allocator (CUDA context, libraries): {report.get('cuda_context_mb')} MB.",
+        f"device memory outside torch's allocator (CUDA context, libraries): {report.get('outside_allocator_mb')} MB.",
         "",
         "| Configuration | Samples/s | Tokens/s | Peak allocated | Planned (plan / measured) | Peak reserved "
         "| Model TFLOP/s | MFU | Test accuracy |",

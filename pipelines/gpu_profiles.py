@@ -19,7 +19,7 @@ MIB = 2**20
 
 # What a card holds that the plan's allocated peak does not count, stated separately beside it
 # (docs/how-to/plan-memory.md), as measured on an H100 (torch 2.11, benchmarks/RESULTS.md, GPU): the CUDA context
-# took 619 MiB at the first allocation and 787 MiB after a dozen trials (cuBLAS's workspaces, bitsandbytes); the
+# took 619 MiB at the first allocation and 787 MiB after a dozen trials (kernels and libraries loaded as used); the
 # caching allocator's reserved peak was 4-14% above the allocated peak for BERT-base and 7-28% for a bucketed
 # 125M Llama (offloading the most).
 CONTEXT_RESERVE_BYTES = 800 * MIB
