@@ -13,13 +13,12 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
 from pipelines.errors import UserError
 from pipelines.params import AdapterParams, Params
 
 if TYPE_CHECKING:
     from torch import nn
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from pipelines.tasks.base import Task
 

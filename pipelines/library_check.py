@@ -8,7 +8,11 @@ them is gone gets this error at the trial's start rather than a stack trace mid-
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+import re
+import sys
+from pathlib import Path
 
 CHECKED_ON = "torch 2.13 and transformers 5.23"
 
@@ -16,24 +20,47 @@ CHECKED_ON = "torch 2.13 and transformers 5.23"
 def missing_internals() -> list[str]:
     """The internals that this torch or transformers lacks (empty when all are there)."""
     import torch
-    from torch.distributed._tools.mem_tracker import MemTracker
 
-    missing = [
-        f"torch MemTracker.{name}"
-        for name in ("_update_peak_stats", "_track_module_params_and_buffers", "track_external", "reset_mod_stats")
-        if not hasattr(MemTracker, name)
-    ]
-    from torch.distributed._tools import mod_tracker
-
-    if not hasattr(mod_tracker, "register_multi_grad_hook"):  # wrapped to remove its hooks (train/memory.py)
+    names = ("_update_peak_stats", "_track_module_params_and_buffers", "track_external", "reset_mod_stats")
+    missing = [f"torch MemTracker.{name}" for name in names if not _defines(_MEM_TRACKER, name, "MemTracker")]
+    if not _defines(_MOD_TRACKER, "register_multi_grad_hook"):  # wrapped to remove its hooks (train/memory.py)
         missing.append("torch mod_tracker.register_multi_grad_hook")
     if not hasattr(torch.amp.GradScaler, "_found_inf_per_device"):
         missing.append("torch GradScaler._found_inf_per_device")
-    from transformers import LlamaForCausalLM
-
-    if "logits_to_keep" not in inspect.signature(LlamaForCausalLM.forward).parameters:
+    if not _llama_forward_takes_logits_to_keep():
         missing.append("transformers' logits_to_keep argument of the causal LMs' forward")
     return missing
+
+
+_MEM_TRACKER = "torch.distributed._tools.mem_tracker"
+_MOD_TRACKER = "torch.distributed._tools.mod_tracker"
+_LLAMA = "transformers.models.llama.modeling_llama"
+
+
+# A module already imported is asked directly; one not imported is read as source text instead. Importing torch's
+# memory tools and transformers' Llama only to look costs about 3 s, and the train stage's driver, which checks
+# before any run opens, uses neither (its trials do). Either way a version that moved them is named here.
+def _defines(module: str, name: str, owner: str | None = None) -> bool:
+    if module in sys.modules:
+        loaded = sys.modules[module]
+        return hasattr(getattr(loaded, owner) if owner else loaded, name)
+    return re.search(rf"\b{name}\b" if owner is None else rf"def {name}\(", _source(module)) is not None
+
+
+def _llama_forward_takes_logits_to_keep() -> bool:
+    if _LLAMA in sys.modules:
+        forward = sys.modules[_LLAMA].LlamaForCausalLM.forward
+        return "logits_to_keep" in inspect.signature(forward).parameters
+    found = re.search(r"class LlamaForCausalLM\b.*?def forward\((.*?)\)\s*->", _source(_LLAMA), re.S)
+    return found is not None and "logits_to_keep" in found.group(1)
+
+
+def _source(module: str) -> str:
+    # Found from the top-level package's folder: find_spec of a submodule would import its parent packages.
+    top, *rest = module.split(".")
+    spec = importlib.util.find_spec(top)
+    path = Path(spec.origin).parent.joinpath(*rest).with_suffix(".py") if spec and spec.origin else None
+    return path.read_text(encoding="utf-8") if path and path.is_file() else ""
 
 
 def check_library_internals() -> None:

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-from torch import nn
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from pipelines.adapters import ADAPTER_CONFIG, BASE_DIR
-from pipelines.model import resolve_model_name
 from pipelines.params import Params
+
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import PreTrainedTokenizerBase
 
 # peft's task type -> the hub's pipeline tag and the peft class whose from_pretrained reloads the folder.
 _BY_PEFT_TASK = {
@@ -33,6 +34,10 @@ _NO_LIMIT = 1e18  # above this, transformers' "no maximum" sentinel (int(1e30))
 
 def pretrained_base(params: Params, root: Path) -> str | None:
     """The pretrained base's hub id or resolved folder; None for a model built from model.config."""
+    # Deferred: the train stage's driver imports this module (follow_move), and pipelines.model imports transformers'
+    # model classes, which only a trial's own process needs.
+    from pipelines.model import resolve_model_name
+
     return resolve_model_name(params.model, root) if params.model.name_or_path is not None else None
 
 

@@ -38,35 +38,11 @@ from pipelines.train.checkpoint import discard
 from pipelines.train.engine import TrainResult, run_training
 from pipelines.train.flops import flops_metrics
 from pipelines.train.lr_range import LrRangeResult
+from pipelines.trial_context import FINAL_KEY, TrialContext
 
 PARAMS_FILE = "params.json"
 METRICS_FILE = "metrics.json"  # the trial's final metrics, beside its saved model
-# Marks a trial's last result. Not "done": that key is Ray Tune's own and stops the trial.
-FINAL_KEY = "final"
-
-
-@dataclass(frozen=True)
-class TrialContext:
-    """Everything a trial needs that is not a hyperparameter; all paths absolute."""
-
-    params: dict[str, Any]
-    root: str
-    variants: dict[str, dict[str, Any]]
-    tokenized_dir: str
-    staging_dir: str
-    checkpoint_root: str
-    tracking_uri: str
-    experiment_id: str
-    parent_run_id: str
-    threads: int
-    scheduler: str
-    tokenize_stats: dict[str, float]
-    progress_bars: bool = False  # the driver's stdout is a terminal: draw a bar per trial
-
-    @property
-    def fallback_dir(self) -> Path:
-        """Where a run's metrics go when the tracking store stays unreachable (see RunLogger)."""
-        return Path(self.root) / "mlflow-fallback"
+__all__ = ["FINAL_KEY", "METRICS_FILE", "PARAMS_FILE", "NullLogger", "Trial", "TrialContext", "train_and_save"]
 
 
 class TrialLogger(Protocol):

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pandas as pd
-from sklearn.model_selection import train_test_split
 
 from pipelines.errors import UserError, warn_user
 from pipelines.params import GENERATOR_SOURCE, DataParams
@@ -125,6 +124,8 @@ def make_splits(tables: dict[str, pd.DataFrame], data: DataParams, seed: int) ->
         # Stratified by label where there is one (classification) and every label has two rows to split.
         labelled = "label" in train and train["label"].value_counts().min() >= 2
         stratify = train["label"] if labelled else None
+        from sklearn.model_selection import train_test_split  # deferred: sklearn takes seconds; only splitting needs it
+
         train, held = train_test_split(train, test_size=share, random_state=seed, stratify=stratify)
         out[split] = held.sort_index().reset_index(drop=True)
         train = train.sort_index()

@@ -16,14 +16,17 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from pipelines.errors import UserError
 from pipelines.params import ModelParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 # A decoder's word-level tokenizer: no [CLS]/[SEP] framing; [EOS] ends every response.
@@ -57,6 +60,8 @@ def train_causal_word_tokenizer(texts: Sequence[str], vocab_size: int) -> PreTra
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     tok.normalizer = normalizer
     tok.pre_tokenizer = pre_tokenizer
+    from transformers import PreTrainedTokenizerFast  # deferred: see train_word_tokenizer
+
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]"
     )
@@ -83,6 +88,10 @@ def train_word_tokenizer(texts: Sequence[str], vocab_size: int) -> PreTrainedTok
         pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
     )
+    # Deferred, like every transformers import of the data and task modules: the stages that only read a task's
+    # declarations (the train stage's driver, the report) import those modules and tokenize nothing.
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="[UNK]",
@@ -95,6 +104,8 @@ def train_word_tokenizer(texts: Sequence[str], vocab_size: int) -> PreTrainedTok
 
 def load_pretrained_tokenizer(model: ModelParams, root: Path) -> PreTrainedTokenizerBase:
     """Load the named model's fast tokenizer from a local folder or the hub."""
+    from transformers import AutoTokenizer
+
     from pipelines.model import resolve_model_name
 
     name = resolve_model_name(model, root)

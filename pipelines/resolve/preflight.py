@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from pipelines.adapters import apply_adapter
 from pipelines.data.tokenization import TokenizedSplit
@@ -24,6 +24,9 @@ from pipelines.resolve.memory_plan import MemoryPlan, PlanUnavailable, plan_memo
 from pipelines.resolve.target import PlanTarget, as_target
 from pipelines.tasks.base import Task
 from pipelines.train.batch_size import CPU_MEMORY_SHARE
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from pipelines.data.batching import PadCollator
 from pipelines.data.loader import eval_batch_rows
@@ -28,6 +28,9 @@ from pipelines.params import DataParams, ModelParams, Params
 from pipelines.runtime import ResolvedPrecision
 from pipelines.tasks.base import Encoded, EvaluationResult, GenerationProbe, QualityMetric, Task
 from pipelines.tasks.linear_ce import projected_cross_entropy, unwrapped
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 def source_columns(data: DataParams) -> dict[str, str]:
@@ -234,6 +237,10 @@ class CausalLmTask(Task):
     def build_model(
         self, params: Params, tokenizer: PreTrainedTokenizerBase, meta_dir: Path, root: Path, *, weights: bool = True
     ) -> PreTrainedModel:
+        # Deferred (here and in load_model): transformers' model classes cost seconds to import, and the stages that
+        # only read a task's declarations (its objective, its report columns) build no model.
+        from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
         if params.model.name_or_path is None:
             cfg = params.model.config
             config = LlamaConfig(
@@ -256,6 +263,8 @@ class CausalLmTask(Task):
         return load_pretrained(AutoModelForCausalLM, params.model, root, weights=weights)
 
     def load_model(self, folder: Path, model: ModelParams) -> PreTrainedModel:
+        from transformers import AutoModelForCausalLM
+
         return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
 
     def collator(

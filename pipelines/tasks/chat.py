@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from pipelines.data.sources import DataError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def render_chats(tokenizer: PreTrainedTokenizerBase, chats: Sequence[Any]) -> tuple[list[str], list[str]]:

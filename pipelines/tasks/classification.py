@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from pipelines.data.batching import PadCollator
 from pipelines.data.sources import DataError, check_columns
@@ -28,6 +28,9 @@ from pipelines.params import DataParams, ModelParams, Params
 from pipelines.runtime import ResolvedPrecision
 from pipelines.tasks import classification_scoring as scoring
 from pipelines.tasks.base import Encoded, EvaluationResult, QualityMetric, Task
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 def _text_columns(data: DataParams) -> list[str]:

@@ -11,7 +11,6 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from sklearn.metrics import confusion_matrix, f1_score, precision_recall_fscore_support
 from torch import nn
 
 from pipelines.data.loader import eval_batches
@@ -76,6 +75,9 @@ def score(labels: np.ndarray, logits: np.ndarray, label_names: list[str]) -> Eva
 
     Accuracy's interval is Wilson's, macro-F1's a seeded bootstrap over the test rows (pipelines.noise).
     """
+    # Deferred: sklearn takes seconds to import, and the stages that read only the task's declarations score nothing.
+    from sklearn.metrics import confusion_matrix, f1_score, precision_recall_fscore_support
+
     predicted = logits.argmax(axis=1)
     ids = list(range(len(label_names)))
     precision, recall, _, _ = precision_recall_fscore_support(labels, predicted, labels=ids, zero_division=0)

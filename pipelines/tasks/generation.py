@@ -11,12 +11,12 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 import torch
 from torch import nn
-from transformers import PreTrainedTokenizerBase
 
 from pipelines.data.loader import eval_batch_rows, eval_batches
 from pipelines.data.tokenization import TokenizedSplit
@@ -25,6 +25,9 @@ from pipelines.params import Params
 from pipelines.runtime import ResolvedPrecision, autocast_context
 from pipelines.tasks.answer_plots import answer_plots
 from pipelines.tasks.base import EvaluationResult, Task
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # (model, batch) -> (summed fp32 loss over target tokens, their count, how many the argmax got right)
 TokenLoss = Callable[[nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]

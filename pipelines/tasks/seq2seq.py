@@ -13,18 +13,12 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 import torch
 from torch import nn
-from transformers import (
-    AutoModelForSeq2SeqLM,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    T5Config,
-    T5ForConditionalGeneration,
-)
 
 from pipelines.data.batching import PadCollator, padded_length
 from pipelines.data.loader import eval_batch_rows, eval_batches, to_device
@@ -38,6 +32,9 @@ from pipelines.tasks.answer_plots import answer_plots
 from pipelines.tasks.base import Encoded, EvaluationResult, GenerationProbe, QualityMetric, Task
 from pipelines.tasks.causal_lm import IGNORE
 from pipelines.tasks.linear_ce import projected_cross_entropy
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 SOURCE, TARGET = "source", "target"
 
@@ -172,6 +169,9 @@ class Seq2SeqTask(Task):
     def build_model(
         self, params: Params, tokenizer: PreTrainedTokenizerBase, meta_dir: Path, root: Path, *, weights: bool = True
     ) -> PreTrainedModel:
+        # Deferred (here and in load_model): see CausalLmTask.build_model.
+        from transformers import AutoModelForSeq2SeqLM, T5Config, T5ForConditionalGeneration
+
         if params.model.name_or_path is None:
             cfg = params.model.config
             config = T5Config(
@@ -193,6 +193,8 @@ class Seq2SeqTask(Task):
         return load_pretrained(AutoModelForSeq2SeqLM, params.model, root, weights=weights)
 
     def load_model(self, folder: Path, model: ModelParams) -> PreTrainedModel:
+        from transformers import AutoModelForSeq2SeqLM
+
         return AutoModelForSeq2SeqLM.from_pretrained(str(folder), dtype=torch.float32)
 
     def collator(

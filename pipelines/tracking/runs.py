@@ -14,6 +14,7 @@ import os
 import platform
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -356,9 +357,16 @@ def quiet_mlflow_info() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     # Per-file progress bars (artifact downloads, weight shards) are noise in a stage's log.
     os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
-    from transformers.utils import logging as transformers_logging
+    if "transformers.utils.logging" in sys.modules:
+        from transformers.utils import logging as transformers_logging
 
-    transformers_logging.disable_progress_bar()
+        transformers_logging.disable_progress_bar()
+        return
+    # Not imported yet: transformers takes huggingface_hub's switch when it is. Importing transformers here would
+    # cost a second in the stages that never load a model (the train stage's driver, the report).
+    from huggingface_hub.utils import disable_progress_bars
+
+    disable_progress_bars()
 
 
 def open_store(tracking: TrackingParams, root: Path, say: Callable[[str], None] = print) -> tuple[MlflowClient, str]:

@@ -18,7 +18,7 @@ from ray import tune
 
 from pipelines.errors import UserError
 from pipelines.params import Params, apply_overrides
-from pipelines.recipe import FINAL_KEY, PARAMS_FILE, Trial, TrialContext, train_and_save
+from pipelines.recipe import PARAMS_FILE, Trial, train_and_save
 from pipelines.tracking.lineage import log_datasets
 from pipelines.tracking.mlflow_model import model_logger
 from pipelines.tracking.runs import (
@@ -32,9 +32,10 @@ from pipelines.tracking.runs import (
 from pipelines.tracking.status import ended_run, headline_metrics, list_first, open_client, watch_system
 from pipelines.train.checkpoint import claim_checkpoint_dir
 from pipelines.train.memory import reset_peak_rss
+from pipelines.trial_context import FINAL_KEY, REPEAT_KEY, VARIANT_ORDER_TAG, TrialContext
 from pipelines.trials.ray_cluster import progress_bar
 
-__all__ = ["FINAL_KEY", "REPEAT_KEY", "VARIANT_ORDER_TAG", "TrialContext", "run_trial", "trial_overrides"]
+__all__ = ["run_trial", "trial_overrides"]
 
 
 def trial_overrides(config: dict[str, Any], variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -42,13 +43,6 @@ def trial_overrides(config: dict[str, Any], variants: dict[str, dict[str, Any]])
     overrides = dict(variants.get(config.get("variant", ""), {}))
     overrides.update({k: v for k, v in config.items() if k not in ("variant", REPEAT_KEY)})
     return overrides
-
-
-# The run tag holding the variant's position in tune.variants.
-VARIANT_ORDER_TAG = "variant_order"
-
-# The config key of a repeat's index (tune.num_samples > 1 without a search space); its seed is under "seed".
-REPEAT_KEY = "repeat"
 
 
 def run_trial(config: dict[str, Any], context: TrialContext) -> None:

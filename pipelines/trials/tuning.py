@@ -31,8 +31,8 @@ from pipelines.tracking.runs import (
     start_run,
 )
 from pipelines.tracking.status import ended_run
+from pipelines.trial_context import FINAL_KEY, REPEAT_KEY, TrialContext
 from pipelines.trials.ray_cluster import init_ray, tune_console
-from pipelines.trials.trial import FINAL_KEY, REPEAT_KEY, TrialContext, run_trial
 
 BEST_DIR = "best"
 TRIALS_FILE = "trials.json"
@@ -51,6 +51,17 @@ _NON_METRIC_KEYS = {
     "iterations_since_restore",
     "epoch",
 }
+
+
+def run_trial(config: dict[str, Any], context: TrialContext) -> None:
+    """Ray Tune's function trainable: `pipelines.trials.trial.run_trial`, imported in the trial's own process.
+
+    Tune pickles this function by reference, so the driver never imports the engine (torch's and transformers'
+    model code, peft: seconds per train stage), which only the trials' processes run.
+    """
+    from pipelines.trials.trial import run_trial as train_one_configuration
+
+    train_one_configuration(config, context)
 
 
 def tune_verbosity(params: Params) -> int:

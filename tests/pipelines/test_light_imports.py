@@ -52,3 +52,29 @@ def test_the_engine_imports_with_mlflow_ray_dvc_and_datasets_absent():
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "LOADED []" in proc.stdout
+
+
+# What only a trial (or the evaluate stage) needs: transformers' model code, peft, sklearn, the engine.
+HEAVY = ("transformers.modeling_utils", "peft", "sklearn", "pipelines.recipe", "pipelines.train.engine")
+
+
+def test_the_train_driver_and_the_report_read_tasks_without_importing_model_code():
+    # Every stage process pays its imports: the train stage's driver (it checks the libraries, asks the task for its
+    # objective and hands Tune a trial it never runs) and the report (the task's quality columns) load no model.
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from pipelines.library_check import check_library_internals
+        from pipelines.tasks import get_task
+        from pipelines.task_registry import TASKS
+        import pipelines.trials.tuning, pipelines.report, stages.train, stages.report
+
+        check_library_internals()
+        for name in TASKS:
+            get_task(name).objective, get_task(name).quality
+        print("LOADED", sorted(m for m in {HEAVY!r} if m in sys.modules))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "LOADED []" in proc.stdout, proc.stdout

@@ -1,0 +1,42 @@
+"""What a trial and the driver that starts it share: the trial's context and the keys of its results.
+
+Light on purpose (no torch, transformers or ray): the train stage's driver builds the context and reads the
+results, and it never imports the engine (`pipelines.recipe`), which only the trial's own process needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Marks a trial's last result. Not "done": that key is Ray Tune's own and stops the trial.
+FINAL_KEY = "final"
+# The config key of a repeat's index (tune.num_samples > 1 without a search space); its seed is under "seed".
+REPEAT_KEY = "repeat"
+# The run tag holding the variant's position in tune.variants.
+VARIANT_ORDER_TAG = "variant_order"
+
+
+@dataclass(frozen=True)
+class TrialContext:
+    """Everything a trial needs that is not a hyperparameter; all paths absolute."""
+
+    params: dict[str, Any]
+    root: str
+    variants: dict[str, dict[str, Any]]
+    tokenized_dir: str
+    staging_dir: str
+    checkpoint_root: str
+    tracking_uri: str
+    experiment_id: str
+    parent_run_id: str
+    threads: int
+    scheduler: str
+    tokenize_stats: dict[str, float]
+    progress_bars: bool = False  # the driver's stdout is a terminal: draw a bar per trial
+
+    @property
+    def fallback_dir(self) -> Path:
+        """Where a run's metrics go when the tracking store stays unreachable (see RunLogger)."""
+        return Path(self.root) / "mlflow-fallback"
