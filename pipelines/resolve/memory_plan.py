@@ -7,7 +7,7 @@ formula drifts from the code it describes. Instead the plan runs the trial's own
 window (the longest batch the sampler will produce, the same accumulation, precision,
 checkpointing, optimizer and adapter) under PyTorch's `FakeTensorMode`, where tensors have
 shapes, dtypes and sizes but no storage, and reads the peak with the same `MemTracker` the
-engine uses to measure a real step (`pipelines.train.memory.track_training_peak`). Nothing
+engine uses to measure a real step (`pipelines.train.memory.track_step`). Nothing
 is allocated, so a plan for a model that would not fit costs seconds and no memory.
 
 What differs from the real step: the loss-scaler's bookkeeping is skipped (it reads
@@ -45,7 +45,7 @@ from pipelines.tasks.base import Task
 from pipelines.train.eval_memory import generation_peak, largest_eval_batch, validation_peak
 from pipelines.train.fast_dropout import fast_dropout
 from pipelines.train.flops import flop_counter
-from pipelines.train.memory import track_training_peak
+from pipelines.train.memory import MemoryAtPeak, track_step
 from pipelines.train.memory_levers import apply_memory_levers
 from pipelines.train.optim import build_optimizer
 from pipelines.train.parallel import sharding_units
@@ -160,21 +160,25 @@ def peak_micro_batches(batches: list[dict[str, torch.Tensor]]) -> list[dict[str,
     return [first] + [rest[i] for i in sorted({by_area, by_attention})]
 
 
-def _step_and_model_flops(
-    step: Callable[[object | None], None], model: nn.Module, checkpointing: bool, scale: float
-) -> tuple[int, int]:
-    """FLOPs of one more step as torch counts them (matmuls, convolutions, attention), and the model's FLOPs:
-    without checkpointing's recomputed forward, so that step runs without it. Both times `scale`."""
+def _track_counting_flops(
+    step: Callable[[object | None], None], model: nn.Module, optimizer: torch.optim.Optimizer, checkpointing: bool,
+    scale: float,
+) -> tuple[MemoryAtPeak, int, int]:  # fmt: skip
+    """The tracked step's peak (after an untracked step that makes the optimizer state), the FLOPs of a step as torch
+    counts them (matmuls, convolutions, attention) and the model's FLOPs (without checkpointing's recomputed
+    forward), both times `scale`.
+
+    The FLOPs are counted in the untracked step: its forward and backward are every step's, and an optimizer step
+    has none of those ops. So a plan runs two fake steps, not three (a third, with checkpointing off, for the
+    model's FLOPs under checkpointing)."""
+    with flop_counter(model_work=False) as hardware, flop_counter(model_work=True) as model_work:
+        step(None)  # nested dispatch modes each see every op
+    peak = track_step(model, optimizer, CPU, step)
     if checkpointing:
-        with flop_counter(model_work=False) as hardware:
-            step(None)
         model.activation_checkpointing_disable()
         with flop_counter(model_work=True) as model_work:
             step(None)
-    else:  # one step, both counters (nested dispatch modes each see every op)
-        with flop_counter(model_work=False) as hardware, flop_counter(model_work=True) as model_work:
-            step(None)
-    return int(hardware.get_total_flops() * scale), int(model_work.get_total_flops() * scale)
+    return peak, int(hardware.get_total_flops() * scale), int(model_work.get_total_flops() * scale)
 
 
 def _plan_qlora(
@@ -327,8 +331,9 @@ def plan_memory(
         # The engine's CPU dropout (its attention swap needs real outputs to check, so it is not tried here).
         dropout = fast_dropout(model) if params.fast_dropout and not params.compile else nullcontext()
         with dropout, target.rules():
-            peak = track_training_peak(model, optimizer, CPU, step)
-            step_flops, model_flops = _step_and_model_flops(step, model, params.grad_checkpointing, scale)
+            peak, step_flops, model_flops = _track_counting_flops(
+                step, model, optimizer, params.grad_checkpointing, scale
+            )
         state = [v for kept in optimizer.state.values() for v in kept.values() if isinstance(v, torch.Tensor)]
         state = [v for v in state if v.numel() > 1]  # as the trial counts: moments and factors, not scalar steps
         with target.rules():
