@@ -3,7 +3,8 @@
 The memory measurement subclasses torch's `MemTracker` and reads its private state, the non-finite step check
 reads `GradScaler._found_inf_per_device`, and the causal LM's loss passes transformers a 2-D `logits_to_keep`.
 They were checked on torch 2.13 and transformers 5.23 (pyproject's ranges start there); a version where one of
-them is gone gets this error at the trial's start rather than a stack trace mid-run.
+them is gone gets this error from the train stage (`pipelines.runtime.check_runtime`), before any run opens, rather
+than a stack trace mid-run.
 """
 
 from __future__ import annotations

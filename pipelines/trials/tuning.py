@@ -56,8 +56,8 @@ _NON_METRIC_KEYS = {
 def run_trial(config: dict[str, Any], context: TrialContext) -> None:
     """Ray Tune's function trainable: `pipelines.trials.trial.run_trial`, imported in the trial's own process.
 
-    Tune pickles this function by reference, so the driver never imports the engine (torch's and transformers'
-    model code, peft: seconds per train stage), which only the trials' processes run.
+    Tune pickles this function by reference, so the driver never imports the engine and transformers' model code
+    (seconds per train stage), which only the trials' processes run.
     """
     from pipelines.trials.trial import run_trial as train_one_configuration
 
