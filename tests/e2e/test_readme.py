@@ -58,8 +58,8 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
                                       '("optim=adafator"'),
     # Templates: <private-ip>, <repo> and cloud buckets stand for the user's own; these tests run the same
     # commands on this machine's equivalents (a sqlite store and local artifacts, a local DVC remote).
-    "mlflow server --host <private-ip> --port 5000 --backend-store-uri postgresql://user:pass@db/mlflow "
-    "--artifacts-destination s3://bucket/mlartifacts": (
+    "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow server --host <private-ip> --port 5000 --backend-store-uri "
+    "postgresql://user:pass@db/mlflow --artifacts-destination s3://bucket/mlartifacts": (
         "tests/e2e/test_tuning.py::MlflowServer", '"--artifacts-destination"'),
     'pip install "dvc[s3]"': ("tests/e2e/test_dvc_remote.py", "remote"),
     "dvc remote add -d storage s3://bucket/finetune": ("tests/e2e/test_dvc_remote.py", '"remote", "add", "-d"'),
@@ -69,8 +69,8 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
     "git clone <repo>": ("tests/e2e/test_dvc_remote.py", '"git", "clone"'),
     "cd <repo>": ("tests/e2e/test_dvc_remote.py", '"git", "clone"'),
     "dvc pull": ("tests/e2e/test_dvc_remote.py", '"dvc", "pull"'),
-    "mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000": (
-        "tests/e2e/mlflow_ui.py::mlflow_ui", '"--backend-store-uri", f"sqlite:///{store}"'),
+    "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 "
+    "--port 5000": ("tests/e2e/mlflow_ui.py::mlflow_ui", "env={**os.environ, **SERVER_ENV}"),
     # The GPU machine's commands: skipped without CUDA, their CPU smoke run in tests/pipelines/test_bench_gpu.py.
     "python -m benchmarks.bench_gpu prepare": ("tests/pipelines/test_bench_gpu.py", '"benchmarks.bench_gpu"'),
     "python -m benchmarks.bench_gpu": ("tests/pipelines/test_bench_gpu.py", '"benchmarks.bench_gpu"'),

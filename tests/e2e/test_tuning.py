@@ -13,7 +13,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import FINAL_METRICS, FOUR_VARIANTS, QUICK, git_env, kill_session, run, write_params
-from tests.e2e.mlflow_ui import free_port
+from tests.e2e.mlflow_ui import SERVER_ENV, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -75,7 +75,7 @@ class MlflowServer:
                 "2",
             ],
             cwd=self.folder,
-            env=git_env(),
+            env={**git_env(), **SERVER_ENV},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
