@@ -19,6 +19,8 @@ the ratio of its data-sheet dense peaks (`pipelines.gpu_profiles`: bf16 against 
 against plain fp32: 14.8x on an H100). On a CPU, bf16 counts 2x where it is native (AVX-512 BF16 or AMX: ~2x
 measured in our CPU bench) and 1/17 where it is emulated (a MiniLM step took 17x as long on an AVX2 host).
 Ties go to the larger micro-batch (fewer, fuller kernels), then to the fewest changes from the params as written.
+Leaner checkpointing is planned only while the setting before it does not fit at the full micro-batch (it
+only adds recompute FLOPs), and the leanest plans (the refusal) only when the fastest candidate does not fit.
 
 The search runs for a `PlanTarget` (pipelines.resolve.target): where the trial trains, or a named card from any
 machine (`python -m stages.plan`); 8-bit AdamW is offered on a card (planned by rule) when bitsandbytes is
@@ -185,8 +187,32 @@ def choose_strategy(
     budget = budget_bytes(params)
     plan = memoized(plan)
     assert budget is not None, "strategy: auto needs memory_budget (the schema says so)"
-    # Refuse fast: every lever at its leanest (1 row per micro-batch, lean optimizer, LoRA), with
-    # and without checkpointing and 16-bit, which can cost more than they save on a tiny step.
+    # Refuse fast, but only when it can matter: if the fastest tier-0 candidate fits as it is (the first plan the
+    # search makes anyway), something fits, and the leanest plans would be made for nothing.
+    fastest = _candidate(params, {}, _precisions(target)[0], _checkpointing(target)[0])
+    if plan(apply_overrides(fastest, _batch(fastest, effective_batch(fastest)))).peak > budget:
+        _refuse_if_nothing_fits(params, plan, target, budget, lora_allowed)
+    for tier, changes in enumerate(_tiers(params, target, lora_allowed, planning)):
+        fits = _fits_in_tier(params, changes, plan, target, budget)
+        if fits:
+            seconds, _, _, chosen, predicted = min(fits, key=lambda fit: fit[:3])
+            changed = ", ".join(_changes(params, chosen)) or "nothing changed"
+            why = (
+                f"strategy auto (tier {tier} of 2, {len(fits)} plans fit memory_budget {size(budget)}): {changed}; "
+                f"predicted peak {describe(predicted)}; {predicted.step_flops / 1e9:,.2f} GFLOP per step"
+            )
+            return Choice(chosen, predicted, why)
+    raise AssertionError("the leanest plan fits, so some tier has a plan that fits")
+
+
+def _candidate(params: Params, change: dict[str, object], precision: str, checkpointing: dict[str, object]) -> Params:
+    return apply_overrides(params, {**change, "precision": precision, **checkpointing})
+
+
+def _refuse_if_nothing_fits(params: Params, plan: Planner, target: PlanTarget, budget: int, lora_allowed: bool) -> None:
+    """Raise a UserError naming the leanest plan when even it is over `budget`: every lever at its leanest (1 row
+    per micro-batch, lean optimizer, LoRA), with and without checkpointing and 16-bit, which can cost more than
+    they save on a tiny step."""
     lean: dict[str, object] = {"optim": "adafactor"}  # factored: the smallest optimizer state we have
     if lora_allowed and params.adapter.type == "none":
         lean["adapter.type"] = "lora"
@@ -208,27 +234,30 @@ def choose_strategy(
             f"({', '.join(_changes(params, leanest[0]))}) needs {describe(leanest[1])}. Raise memory_budget, "
             "shorten data.max_length, or use a smaller model"
         )
-    for tier, changes in enumerate(_tiers(params, target, lora_allowed, planning)):
-        fits: list[tuple[float, int, int, Params, MemoryPlan]] = []
-        for change in changes:
-            for precision in _precisions(target):
-                for checkpointing in _checkpointing(target):
-                    candidate = apply_overrides(params, {**change, "precision": precision, **checkpointing})
-                    found = largest_fitting_batch(candidate, plan, budget)
-                    if found is None:
-                        continue
-                    chosen, predicted = found
-                    seconds = predicted.step_flops / precision_speed(precision, target, params.tf32)
-                    fits.append((seconds, chosen.grad_accum_steps, len(_changes(params, chosen)), chosen, predicted))
-        if fits:
-            seconds, _, _, chosen, predicted = min(fits, key=lambda fit: fit[:3])
-            changed = ", ".join(_changes(params, chosen)) or "nothing changed"
-            why = (
-                f"strategy auto (tier {tier} of 2, {len(fits)} plans fit memory_budget {size(budget)}): {changed}; "
-                f"predicted peak {describe(predicted)}; {predicted.step_flops / 1e9:,.2f} GFLOP per step"
-            )
-            return Choice(chosen, predicted, why)
-    raise AssertionError("the leanest plan fits, so some tier has a plan that fits")
+
+
+def _fits_in_tier(
+    params: Params, changes: list[dict[str, object]], plan: Planner, target: PlanTarget, budget: int
+) -> list[tuple[float, int, int, Params, MemoryPlan]]:
+    """Every candidate of a tier that fits, as (predicted seconds, accumulation, changes, params, plan).
+
+    Checkpointing settings are tried fastest first, and the leaner ones only while the one before did not fit
+    at the full micro-batch: they add only recompute FLOPs, and cannot make the micro-batch larger, so they
+    cannot be faster (a budget that fits everything makes two plans here, not six).
+    """
+    fits = []
+    for change in changes:
+        for precision in _precisions(target):
+            for checkpointing in _checkpointing(target):
+                found = largest_fitting_batch(_candidate(params, change, precision, checkpointing), plan, budget)
+                if found is None:
+                    continue
+                chosen, predicted = found
+                seconds = predicted.step_flops / precision_speed(precision, target, params.tf32)
+                fits.append((seconds, chosen.grad_accum_steps, len(_changes(params, chosen)), chosen, predicted))
+                if chosen.batch_size == effective_batch(chosen):
+                    break
+    return fits
 
 
 def fit_to_budget(

@@ -59,6 +59,30 @@ def test_auto_picks_a_plan_that_fits_and_the_run_stays_under_the_budget(default_
     assert measured["peak_train_memory_bytes"] <= budget
 
 
+def test_a_budget_everything_fits_is_chosen_from_two_plans_as_checkpointing_only_adds_flops(default_params):
+    params, *_ = bert_case(default_params, {"data.bucketing": False})
+    plan, *_ = planner(default_params)
+    made = []
+
+    def counted(candidate: Params) -> MemoryPlan:
+        made.append(candidate)
+        return plan(candidate)
+
+    choice = choose_strategy(apply_overrides(params, {"memory_budget": "80GB", "strategy": "auto"}), counted, CPU)
+    # No refusal check (the fastest candidate fits as written) and no leaner checkpointing: fp32 and bf16, once each.
+    assert [(c.precision, c.grad_checkpointing, c.batch_size) for c in made] == [
+        ("fp32", False, params.batch_size),
+        ("bf16", False, params.batch_size),
+    ]
+    assert not choice.params.grad_checkpointing and choice.params.batch_size == params.batch_size
+    # Why the leaner settings need no plan: at the same micro-batch, checkpointing only adds recompute FLOPs.
+    flops = [
+        plan(apply_overrides(params, {"grad_checkpointing": every > 0, "grad_checkpointing_every": max(every, 1)}))
+        for every in (0, 2, 1)
+    ]
+    assert flops[0].step_flops < flops[1].step_flops < flops[2].step_flops
+
+
 def test_a_budget_below_every_plan_is_refused_with_the_leanest_plan(default_params):
     params, *_ = bert_case(default_params, {})
     plan, *_ = planner(default_params)
