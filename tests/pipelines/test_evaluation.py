@@ -46,3 +46,19 @@ def test_scores_and_confusion_rows():
     assert result.confusion.tolist() == [[1, 1, 0], [0, 2, 0], [1, 0, 0]]
     rows = confusion_rows(result.confusion, ["x", "y", "z"])
     assert len(rows) == 5 and rows.count({"actual": "z", "predicted": "x"}) == 1
+
+
+def test_scores_from_counts_equal_sklearns_including_classes_never_seen_or_never_predicted():
+    from sklearn.metrics import confusion_matrix, f1_score, precision_recall_fscore_support
+
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 4, size=500)  # class 4 never occurs; class 3 is never predicted
+    logits = rng.normal(size=(500, 5)) + 2 * np.eye(5)[labels]
+    logits[:, 3] = -10
+    result = score(labels, logits, list("abcde"))
+    predicted, ids = logits.argmax(axis=1), list(range(5))
+    precision, recall, _, _ = precision_recall_fscore_support(labels, predicted, labels=ids, zero_division=0)
+    assert result.confusion.tolist() == confusion_matrix(labels, predicted, labels=ids).tolist()
+    assert result.metrics["test_macro_f1"] == f1_score(labels, predicted, labels=ids, average="macro", zero_division=0)
+    assert [result.metrics[f"test_precision.{n}"] for n in "abcde"] == precision.tolist()
+    assert [result.metrics[f"test_recall.{n}"] for n in "abcde"] == recall.tolist()
