@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import run, write_params
+from tests.conftest import QUICK, run, write_params
 from tests.e2e.mlflow_ui import compare_view_metrics, mlflow_ui, runs_table_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -42,7 +42,7 @@ def report_rows(report: str) -> dict[str, list[str]]:
 def test_strategy_grid_in_one_dvc_repro_reports_relative_to_vanilla(project_copy: Path):
     write_params(
         project_copy,
-        {"tune.variants": STRATEGIES, "tune.max_concurrent_trials": 2, "epochs": 1, "data.generator.num_rows": 3000},
+        {"tune.variants": STRATEGIES, "tune.max_concurrent_trials": 2, "epochs": 1, "data.generator.num_rows": 1500},
     )
     run(["dvc", "repro"], project_copy, timeout=800)
     report = (project_copy / "reports/report.md").read_text()
@@ -85,6 +85,7 @@ def test_strategy_grid_in_one_dvc_repro_reports_relative_to_vanilla(project_copy
 
 
 def test_queued_experiment_lands_in_the_repository_store(project_copy: Path):
+    write_params(project_copy, QUICK)  # what is tested is the queue, not the defaults' training (test_pipeline.py)
     run(["dvc", "repro"], project_copy, timeout=600)
     run(["git", "add", "-A"], project_copy)
     run(["git", "commit", "-qm", "baseline"], project_copy)
