@@ -9,7 +9,8 @@ counts, so their noise is zero; a single run's time has no noise estimate, which
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 from pipelines.noise import binomial_se, exceeds_noise, mean_sd, repeats_se
 from pipelines.task_registry import TASKS
 from pipelines.tracking.runs import child_runs
+from pipelines.trial_context import QUALITY_TAG
 
 BASELINE_VARIANT = "vanilla"
 MB = 1024 * 1024
@@ -60,21 +62,30 @@ SPEED_MEMORY_COLUMNS = (
 )
 
 
-def quality_columns(task: str) -> tuple[Column, ...]:
-    """The task's quality columns (pipelines.tasks: `Task.quality`); the first is its headline (the Δ column's)."""
-    from pipelines.tasks import get_task
+def quality_columns(task: str, rows: list[TrialRow] | None = None) -> tuple[Column, ...]:
+    """The task's quality columns (`Task.quality`); the first is its headline (the Δ column's).
 
+    As the trials' runs recorded them (`QUALITY_TAG`), so the report stage imports no task code, nor torch (1.5 s
+    of its 8 s here); from the task itself for runs without the tag.
+    """
+    recorded = next((r.tags[QUALITY_TAG] for r in rows or [] if QUALITY_TAG in r.tags), None)
+    if recorded is not None:
+        declared = json.loads(recorded)
+    else:
+        from pipelines.tasks import get_task
+
+        declared = [asdict(q) for q in get_task(task).quality]
     return tuple(
         Column(
-            q.header,
-            q.metric,
+            q["header"],
+            q["metric"],
             "",
-            scale=q.scale,
-            digits=q.digits,
-            noise="binomial" if q.binomial else "none",
-            interval=q.interval,
+            scale=q["scale"],
+            digits=q["digits"],
+            noise="binomial" if q["binomial"] else "none",
+            interval=q["interval"],
         )  # fmt: skip
-        for q in get_task(task).quality
+        for q in declared
     )
 
 
@@ -87,8 +98,16 @@ TRAINABLE_COLUMN = Column(
 PLAN_COLUMN = Column(
     "Predicted peak", "predicted_peak_train_memory_bytes", " MB", scale=1 / MB, versus="peak_train_memory_bytes"
 )
-# The classifier's columns (the default task's).
-COLUMNS = SPEED_MEMORY_COLUMNS + quality_columns("classification")
+
+
+def __getattr__(name: str) -> object:
+    """`COLUMNS`: the classifier's columns (the default task's), built on first use: the classification task's
+    module imports torch, which the report stage does without."""
+    if name == "COLUMNS":
+        return SPEED_MEMORY_COLUMNS + quality_columns("classification")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 DELTA_HEADER = "Δ accuracy vs baseline"
 
 
@@ -102,12 +121,12 @@ def columns_for(task: str, rows: list[TrialRow] | None = None) -> tuple[Column, 
     frozen = any(r.metrics.get("frozen_param_bytes", 0.0) > 0 for r in rows or [])
     planned = all(PLAN_COLUMN.metric in r.metrics for r in rows or [] if r.status == "FINISHED") and bool(rows)
     extra = ((TRAINABLE_COLUMN,) if frozen else ()) + ((PLAN_COLUMN,) if planned else ())
-    return SPEED_MEMORY_COLUMNS + extra + quality_columns(task)
+    return SPEED_MEMORY_COLUMNS + extra + quality_columns(task, rows)
 
 
-def delta_header(task: str) -> str:
+def delta_header(task: str, rows: list[TrialRow] | None = None) -> str:
     """Header of the column that gives the headline quality's difference to the baseline."""
-    header = quality_columns(task)[0].header
+    header = quality_columns(task, rows)[0].header
     return f"Δ {header if header.isupper() else header.lower()} vs baseline"
 
 
@@ -227,7 +246,7 @@ def comparison_table(rows: list[TrialRow]) -> list[list[str]]:
     groups = group_rows(rows)
     task = task_of_rows(rows)
     columns = columns_for(task, rows)
-    header = ["Trial"] + [c.header for c in columns] + [delta_header(task)]
+    header = ["Trial"] + [c.header for c in columns] + [delta_header(task, rows)]
     table = [header]
     baseline = groups[0] if groups else None
     for group in groups:
@@ -242,7 +261,7 @@ def comparison_table(rows: list[TrialRow]) -> list[list[str]]:
                 mark = noise_mark(column, group, baseline) if group is not baseline else ""  # type: ignore[arg-type]
                 cell += f" ({format_relative(group.mean(column.metric) or 0.0, base)}{mark})"
             cells.append(cell)
-        cells.append(_delta_cell(group, baseline, quality_columns(task)[0]))
+        cells.append(_delta_cell(group, baseline, quality_columns(task, rows)[0]))
         table.append(cells)
     return table
 

@@ -13,7 +13,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -38,7 +38,7 @@ from pipelines.train.checkpoint import discard
 from pipelines.train.engine import TrainResult, run_training
 from pipelines.train.flops import flops_metrics
 from pipelines.train.lr_range import LrRangeResult
-from pipelines.trial_context import FINAL_KEY, TrialContext
+from pipelines.trial_context import FINAL_KEY, QUALITY_TAG, TrialContext
 
 PARAMS_FILE = "params.json"
 METRICS_FILE = "metrics.json"  # the trial's final metrics, beside its saved model
@@ -159,7 +159,8 @@ def set_up(trial: Trial, params: Params, device: torch.device | None) -> Setup:
     slow_bf16 = emulated_bf16_warning(runtime.precision, device)
     if slow_bf16 and trial.rank == 0:
         warn_user(f"[{trial.variant}] {slow_bf16}")
-    tags = {"precision.resolved": runtime.precision, "device.resolved": str(device), "task": params.task}
+    tags = {"precision.resolved": runtime.precision, "device.resolved": str(device), "task": params.task,
+            QUALITY_TAG: json.dumps([asdict(q) for q in task.quality])}  # fmt: skip
     trial.logger.log_tags(tags)
     if params.adapter.type != "none" and not params.adapter.merge and trial.rank == 0:
         # What the adapter needs to be loaded again: a random base's weights, or where a pretrained one is.

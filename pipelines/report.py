@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient  # the client is passed in: pipelines.tracking opens it
 
 from pipelines.comparison import (  # noqa: E402
-    COLUMNS,
     LEGEND,
     MB,
     TrialRow,
@@ -36,7 +35,7 @@ from pipelines.comparison import (  # noqa: E402
     unknown_noise_note,
 )
 
-__all__ = ["COLUMNS", "build_report", "comparison_table", "format_metric", "format_relative", "load_rows"]
+__all__ = ["build_report", "comparison_table", "format_metric", "format_relative", "load_rows"]
 
 
 def markdown_table(table: list[list[str]]) -> str:
@@ -48,7 +47,7 @@ def markdown_table(table: list[list[str]]) -> str:
 
 def plot_comparison(rows: list[TrialRow], path: Path) -> None:
     """Bars of train time, peak memory and the task's headline quality per trial, side by side."""
-    quality = quality_columns(task_of_rows(rows))[0]
+    quality = quality_columns(task_of_rows(rows), rows)[0]
     finished = [r for r in rows if r.status == "FINISHED"]
     names = [r.name for r in finished]
     panels = (
@@ -120,7 +119,7 @@ def plot_lr_range(client: MlflowClient, rows: list[TrialRow], path: Path) -> boo
 
 def plot_tradeoff(rows: list[TrialRow], path: Path) -> None:
     """Train time against accuracy, bubble size by peak memory, with the Pareto front (faster and better) marked."""
-    quality = quality_columns(task_of_rows(rows))[0]
+    quality = quality_columns(task_of_rows(rows), rows)[0]
     finished = [r for r in rows if r.status == "FINISHED" and quality.metric in r.metrics]
     fig, ax = plt.subplots(figsize=(7, 4.6))
     times = [r.metrics.get("train_time_s", 0.0) for r in finished]

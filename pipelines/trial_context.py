@@ -16,6 +16,9 @@ FINAL_KEY = "final"
 REPEAT_KEY = "repeat"
 # The run tag holding the variant's position in tune.variants.
 VARIANT_ORDER_TAG = "variant_order"
+# The run tag holding the task's quality columns (`Task.quality`, as JSON): the report reads them from the runs, so
+# it imports no task code (nor torch).
+QUALITY_TAG = "quality_columns"
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipelines.report import COLUMNS, format_metric
+from pipelines.comparison import COLUMNS
+from pipelines.report import format_metric
 from tests.conftest import FINAL_METRICS, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]

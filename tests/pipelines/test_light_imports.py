@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -78,3 +79,42 @@ def test_the_train_driver_and_the_report_read_tasks_without_importing_model_code
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "LOADED []" in proc.stdout, proc.stdout
+
+
+def test_the_report_reads_the_quality_columns_its_runs_recorded_and_imports_no_torch():
+    # Each trial records its task's quality columns (QUALITY_TAG); the report builds its table from them alone.
+    script = textwrap.dedent(
+        """
+        import json, sys
+        from dataclasses import asdict
+        import pipelines.report, stages.report
+        from pipelines.comparison import TrialRow, comparison_table
+        from pipelines.trial_context import QUALITY_TAG
+
+        bleu = [{"header": "BLEU", "metric": "test_bleu", "scale": 1.0, "digits": 2, "binomial": False,
+                 "interval": False}]
+        rows = [TrialRow(name, name, "FINISHED", {"train_time_s": 1.0, "test_bleu": bleu_value},
+                         {"task": "seq2seq", QUALITY_TAG: json.dumps(bleu)})
+                for name, bleu_value in (("vanilla", 20.0), ("fast", 21.5))]
+        print("TABLE", comparison_table(rows))
+        print("LOADED", sorted(m for m in ("torch", "transformers") if m in sys.modules))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "LOADED []" in proc.stdout, proc.stdout
+    assert "'BLEU'" in proc.stdout and "'Δ BLEU vs baseline'" in proc.stdout and "'21.50'" in proc.stdout
+
+
+def test_the_recorded_quality_columns_are_the_tasks_own():
+    from dataclasses import asdict
+
+    from pipelines.comparison import TrialRow, quality_columns
+    from pipelines.task_registry import TASKS
+    from pipelines.tasks import get_task
+    from pipelines.trial_context import QUALITY_TAG
+
+    for task in TASKS:  # what pipelines.recipe logs, read back
+        tag = json.dumps([asdict(q) for q in get_task(task).quality])
+        row = TrialRow("v", "r", "FINISHED", {}, {"task": task, QUALITY_TAG: tag})
+        assert quality_columns(task, [row]) == quality_columns(task), task

@@ -7,9 +7,9 @@ from pathlib import Path
 import matplotlib.image as mpimg
 import pytest
 
-from pipelines.comparison import DELTA_HEADER, TrialRow
+from pipelines.comparison import COLUMNS, DELTA_HEADER, TrialRow
 from pipelines.params import TrackingParams
-from pipelines.report import COLUMNS, build_report, comparison_table, format_metric, format_relative, load_rows
+from pipelines.report import build_report, comparison_table, format_metric, format_relative, load_rows
 from pipelines.tracking.runs import RunLogger, open_experiment, start_run
 
 RUNS = {
