@@ -9,6 +9,12 @@ from contextlib import contextmanager
 from typing import Any
 
 
+def stopped_tags(scheduler: str) -> dict[str, str]:
+    """The tags of a run its scheduler stopped early (ASHA): set by the trial, and again by the driver, which knows
+    it for sure even when the trial's process ended before recording it."""
+    return {"stopped": f"stopped early by the {scheduler} scheduler"}
+
+
 @contextmanager
 def ended_run(
     close: Callable[[str], None],

@@ -29,7 +29,14 @@ from pipelines.tracking.runs import (
     quiet_mlflow_info,
     start_run,
 )
-from pipelines.tracking.status import ended_run, headline_metrics, list_first, open_client, watch_system
+from pipelines.tracking.status import (
+    ended_run,
+    headline_metrics,
+    list_first,
+    open_client,
+    stopped_tags,
+    watch_system,
+)
 from pipelines.train.checkpoint import claim_checkpoint_dir
 from pipelines.train.memory import reset_peak_rss
 from pipelines.trial_context import FINAL_KEY, REPEAT_KEY, VARIANT_ORDER_TAG, TrialContext
@@ -87,7 +94,7 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
 
     def record_stop() -> None:
         # Ray ends a trial's thread with SystemExit when the scheduler (ASHA) stops it early.
-        logger.log_tags({"stopped": f"stopped early by the {context.scheduler} scheduler"})
+        logger.log_tags(stopped_tags(context.scheduler))
 
     with ended_run(close, record_error, record_stop):
         params = trial_params(config, context, variant, client, run_id, logger, rss_reset)

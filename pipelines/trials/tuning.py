@@ -30,7 +30,7 @@ from pipelines.tracking.runs import (
     resolve_tracking_uri,
     start_run,
 )
-from pipelines.tracking.status import ended_run
+from pipelines.tracking.status import ended_run, stopped_tags
 from pipelines.trial_context import FINAL_KEY, REPEAT_KEY, TrialContext
 from pipelines.trials.ray_cluster import init_ray, tune_console
 
@@ -219,6 +219,10 @@ def run_tuning(
         with tune_console(tune_verbosity(params)):
             results = tuner.fit()
         summary = _summarize(results, params, parent_run_id, experiment_id, tracking_uri)
+        for trial in summary["stopped_early"]:
+            # A stopped trial records its stop itself, unless Ray ended its process first (seen on a loaded host).
+            for key, value in stopped_tags(params.tune.scheduler).items():
+                client.set_tag(trial["mlflow_run_id"], key, value)
         best = summary["best"]
         shutil.move(str(staging / best["trial_id"]), str(out_dir / BEST_DIR))
         follow_move(out_dir / BEST_DIR)
@@ -300,7 +304,8 @@ def _summarize(
             continue
         if not last.get(FINAL_KEY):
             # Stopped by the scheduler (ASHA) after its last report: not a failure, not a candidate.
-            stopped.append({"trial": last.get("trial_id", "?"), "config": result.config, metric: last.get(metric)})
+            stopped.append({"trial": last.get("trial_id", "?"), "config": result.config, metric: last.get(metric),
+                            "mlflow_run_id": last["mlflow_run_id"]})  # fmt: skip
             continue
         m = result.metrics
         trials.append(
