@@ -15,7 +15,7 @@ from torch import nn
 
 from pipelines.data.loader import eval_batches
 from pipelines.data.tokenization import TokenizedSplit
-from pipelines.noise import bootstrap_macro_f1_interval, wilson_interval
+from pipelines.noise import bootstrap_macro_f1_interval, confusion_counts, per_class_scores, wilson_interval
 from pipelines.params import Params
 from pipelines.runtime import ResolvedPrecision, autocast_context
 
@@ -70,34 +70,13 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return exp / exp.sum(axis=1, keepdims=True)
 
 
-def confusion_matrix(labels: np.ndarray, predicted: np.ndarray, num_labels: int) -> np.ndarray:
-    """Counts of (actual, predicted) label ids, actual by row, as sklearn.metrics.confusion_matrix lays them out."""
-    pairs = np.asarray(labels, dtype=np.int64) * num_labels + np.asarray(predicted, dtype=np.int64)
-    return np.bincount(pairs, minlength=num_labels * num_labels).reshape(num_labels, num_labels)
-
-
-def per_class_scores(confusion: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Precision, recall and F1 per class from a confusion matrix, 0 where undefined (sklearn's zero_division=0).
-
-    From counts, not sklearn.metrics: the same arithmetic (F1 = 2 tp / (actual + predicted)), without sklearn's
-    import, 0.6 s of each trial's CPU and 1.2 s of the evaluate stage's here (tests/pipelines/test_evaluation.py
-    checks it against sklearn)."""
-    tp = np.diag(confusion).astype(float)
-    actual, guessed = confusion.sum(axis=1), confusion.sum(axis=0)
-
-    def ratio(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
-        return np.divide(numerator, denominator, out=np.zeros_like(numerator), where=denominator > 0)
-
-    return ratio(tp, guessed), ratio(tp, actual), ratio(2 * tp, actual + guessed)
-
-
 def score(labels: np.ndarray, logits: np.ndarray, label_names: list[str]) -> Evaluation:
     """Accuracy and macro-F1 with 95% intervals, per-class precision/recall, and the confusion matrix.
 
     Accuracy's interval is Wilson's, macro-F1's a seeded bootstrap over the test rows (pipelines.noise).
     """
     predicted = logits.argmax(axis=1)
-    confusion = confusion_matrix(labels, predicted, len(label_names))
+    confusion = confusion_counts(labels, predicted, len(label_names))
     precision, recall, f1 = per_class_scores(confusion)
     correct = int((predicted == labels).sum())
     accuracy_low, accuracy_high = wilson_interval(correct, len(labels))
