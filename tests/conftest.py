@@ -151,6 +151,73 @@ def kill_session(session_id: int, timeout: float = 30) -> None:
     raise AssertionError(f"processes of session {session_id} outlived SIGKILL for {timeout} s")
 
 
+# The stages the tests start join one Ray cluster, started once for the session, instead of each starting its own
+# (Ray's daemons start once, not once per train stage): a QUICK train stage measured 25.5 and 27.4 CPU-s starting
+# its own cluster, 20.2 and 21.1 joining one, on 2 cores. Tests of a stage's own local cluster opt out with the
+# `own_ray_cluster` fixture. A RAY_ADDRESS set before pytest starts is used as it is.
+SESSION_RAY = pytest.StashKey[tuple[int, Path]]()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_session_ray(logical_cpus: int, cwd: Path) -> int:
+    """Start a Ray head for this test session, point RAY_ADDRESS at it, and return its session id (to kill it).
+
+    Its processes, the trials' included, run in `cwd`.
+    """
+    port = _free_port()
+    # The dashboard agent's default port (52365) is chosen free too, so a test's own `ray start --head` can run.
+    head = subprocess.Popen(
+        [str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={port}", f"--num-cpus={logical_cpus}",
+         "--include-dashboard=false", "--disable-usage-stats", f"--dashboard-agent-listen-port={_free_port()}",
+         '--system-config={"prestart_worker_first_driver": false}'],
+        cwd=cwd, env=git_env(), start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    printed = head.communicate(timeout=120)[0]
+    if head.returncode != 0:
+        kill_session(head.pid)
+        raise RuntimeError(f"the test session's Ray head did not start:\n{printed}")
+    os.environ["RAY_ADDRESS"] = f"127.0.0.1:{port}"
+    return head.pid
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The session's Ray head, started by the xdist controller before its workers inherit RAY_ADDRESS."""
+    import importlib.util
+
+    # Not on a bare GPU machine without Ray (its tests, `pytest -m gpu tests/gpu`, start no stage).
+    if os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("RAY_ADDRESS") or not importlib.util.find_spec("ray"):
+        return
+    # Logical CPUs: every concurrently running test's trials are placed at once, as each was on a cluster of its
+    # own. A trial's threads do not follow them: they come from the machine's cores.
+    import tempfile
+
+    cwd = Path(tempfile.mkdtemp(prefix="ray-session-"))
+    config.stash[SESSION_RAY] = (start_session_ray(logical_cpus=8 * MAX_WORKERS, cwd=cwd), cwd)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Stop the session's Ray head: its processes and nothing else (never `ray stop`)."""
+    if SESSION_RAY in config.stash:
+        session_id, cwd = config.stash[SESSION_RAY]
+        kill_session(session_id)
+        os.environ.pop("RAY_ADDRESS", None)
+        shutil.rmtree(cwd, ignore_errors=True)
+
+
+@pytest.fixture
+def own_ray_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stages this test starts start a local Ray cluster of their own, as on a user's machine."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
 def write_params(root: Path, overrides: dict[str, Any]) -> None:
     """Set dotted-key overrides in `root/params.yaml` (what `dvc exp run -S` does)."""
     import yaml

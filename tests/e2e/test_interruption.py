@@ -29,7 +29,8 @@ def test_kill_9_mid_train_then_repro_resumes_to_the_same_metrics(project_copy: P
     proc = subprocess.Popen(
         ["dvc", "repro"],
         cwd=project_copy,
-        env=git_env(),
+        # A Ray cluster of its own (not the test session's), so that it dies with the stage, as on a user's machine.
+        env={key: value for key, value in git_env().items() if key != "RAY_ADDRESS"},
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -79,7 +79,7 @@ def assert_registered_model_predicts_as_models_best(root: Path, client: MlflowCl
     assert len(set(expected)) > 1  # a model that answers, not a constant
 
 
-def test_repro_noop_exp_run_and_bad_values(project_copy: Path):
+def test_repro_noop_exp_run_and_bad_values(project_copy: Path, own_ray_cluster: None):
     root = project_copy
 
     # 1. The main job on the defaults.
