@@ -174,7 +174,8 @@ def start_session_ray(logical_cpus: int, cwd: Path) -> int:
     port = _free_port()
     # The dashboard agent's default port (52365) is chosen free too, so a test's own `ray start --head` can run.
     head = subprocess.Popen(
-        [str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={port}", f"--num-cpus={logical_cpus}",
+        [str(Path(sys.executable).parent / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
+         f"--num-cpus={logical_cpus}",
          "--include-dashboard=false", "--disable-usage-stats", f"--dashboard-agent-listen-port={_free_port()}",
          '--system-config={"prestart_worker_first_driver": false}'],
         cwd=cwd, env=git_env(), start_new_session=True,
