@@ -175,9 +175,8 @@ def start_session_ray(logical_cpus: int, cwd: Path) -> int:
     # The dashboard agent's default port (52365) is chosen free too, so a test's own `ray start --head` can run.
     head = subprocess.Popen(
         [str(Path(sys.executable).parent / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
-         f"--num-cpus={logical_cpus}",
-         "--include-dashboard=false", "--disable-usage-stats", f"--dashboard-agent-listen-port={_free_port()}",
-         '--system-config={"prestart_worker_first_driver": false}'],
+         f"--num-cpus={logical_cpus}", "--include-dashboard=false", "--disable-usage-stats",
+         f"--dashboard-agent-listen-port={_free_port()}", '--system-config={"prestart_worker_first_driver": false}'],
         cwd=cwd, env=git_env(), start_new_session=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
@@ -196,11 +195,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # Not on a bare GPU machine without Ray (its tests, `pytest -m gpu tests/gpu`, start no stage).
     if os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("RAY_ADDRESS") or not importlib.util.find_spec("ray"):
         return
-    # Logical CPUs: every concurrently running test's trials are placed at once, as each was on a cluster of its
-    # own. A trial's threads do not follow them: they come from the machine's cores.
     import tempfile
 
     cwd = Path(tempfile.mkdtemp(prefix="ray-session-"))
+    # Logical CPUs: every concurrently running test's trials are placed at once, as each was on a cluster of its
+    # own. A trial's threads do not follow them: they come from the machine's cores.
     config.stash[SESSION_RAY] = (start_session_ray(logical_cpus=8 * MAX_WORKERS, cwd=cwd), cwd)
 
 
