@@ -158,7 +158,8 @@ def kill_session(session_id: int, timeout: float = 30) -> None:
 SESSION_RAY = pytest.StashKey[tuple[int, Path]]()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
     import socket
 
     with socket.socket() as sock:
@@ -171,12 +172,12 @@ def start_session_ray(logical_cpus: int, cwd: Path) -> int:
 
     Its processes, the trials' included, run in `cwd`.
     """
-    port = _free_port()
+    port = free_port()
     # The dashboard agent's default port (52365) is chosen free too, so a test's own `ray start --head` can run.
     head = subprocess.Popen(
         [str(Path(sys.executable).parent / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
          f"--num-cpus={logical_cpus}", "--include-dashboard=false", "--disable-usage-stats",
-         f"--dashboard-agent-listen-port={_free_port()}", '--system-config={"prestart_worker_first_driver": false}'],
+         f"--dashboard-agent-listen-port={free_port()}", '--system-config={"prestart_worker_first_driver": false}'],
         cwd=cwd, env=git_env(), start_new_session=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import kill_session
+from tests.conftest import free_port, kill_session
 
 # MLflow 3's server also starts a job runner for its GenAI jobs: 8 more processes (huey consumers) that poll their
 # queue, 0.78 of a core while the server idled (2-core AMD EPYC), and about half its start-up CPU. Runs of this
@@ -41,12 +40,6 @@ ROW_TEXTS = """(() => {
   });
   return Object.values(rows);
 })()"""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for(url: str, seconds: float) -> Any:

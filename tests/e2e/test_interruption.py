@@ -18,7 +18,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 SETTINGS = {"data.generator.num_rows": 3000, "epochs": 2, "checkpoint_every_n_steps": 20, "log_every_n_steps": 5}
 
 
-def test_kill_9_mid_train_then_repro_resumes_to_the_same_metrics(project_copy: Path, tmp_path: Path):
+def test_kill_9_mid_train_then_repro_resumes_to_the_same_metrics(
+    project_copy: Path, tmp_path: Path, own_ray_cluster: None
+):
+    # Each run on a Ray cluster of its own (not the test session's): the killed one dies with its stage, as on a
+    # user's machine.
     write_params(project_copy, SETTINGS)
     run(["git", "commit", "-qam", "settings"], project_copy)
     reference = tmp_path / "reference"
@@ -29,8 +33,7 @@ def test_kill_9_mid_train_then_repro_resumes_to_the_same_metrics(project_copy: P
     proc = subprocess.Popen(
         ["dvc", "repro"],
         cwd=project_copy,
-        # A Ray cluster of its own (not the test session's), so that it dies with the stage, as on a user's machine.
-        env={key: value for key, value in git_env().items() if key != "RAY_ADDRESS"},
+        env=git_env(),
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import FINAL_METRICS, FOUR_VARIANTS, QUICK, git_env, kill_session, run, write_params
-from tests.e2e.mlflow_ui import SERVER_ENV, free_port
+from tests.conftest import FINAL_METRICS, FOUR_VARIANTS, QUICK, free_port, git_env, kill_session, run, write_params
+from tests.e2e.mlflow_ui import SERVER_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
