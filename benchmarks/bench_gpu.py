@@ -43,6 +43,7 @@ from benchmarks.bench_gpu_report import HF_LIKE_FOR_LIKE, markdown
 from benchmarks.common import AG_NEWS, REPO_ROOT, TRAINING_BASE, minilm_path, subset
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.params import Params, ParamsError, apply_overrides, load_params
+from pipelines.runtime import resolve_runtime
 
 DATA = REPO_ROOT / ".bench_gpu"  # ignored by git; carried to the GPU machine
 TEST_ROWS = 1520
@@ -208,10 +209,8 @@ def run_ours(
             test,
             LABELS,
             params,
-            pad_id=meta["pad_id"],
-            device=device,
-            precision=precision,
-            task=task,
+            resolve_runtime(params, device, meta["pad_id"], precision),
+            task,
         )
         out["accuracy"] = evaluation.metrics["test_accuracy"]
     del model, result

@@ -42,6 +42,7 @@ import torch
 
 from benchmarks.common import AG_NEWS, REPO_ROOT
 from pipelines.params import Params, apply_overrides, load_params
+from pipelines.runtime import resolve_runtime
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TOPICS = {1: "World", 2: "Sports", 3: "Business", 4: "Sci/Tech"}
@@ -291,7 +292,14 @@ def run_one(name: str, work: Path, folder: Path, seed: int) -> dict[str, Any]:
         result = train_trl(params, model, tokenizer, work / "source", defaults=engine == "trl-defaults")
         model = result.pop("model")
     precision = "fp32" if engine == "none" else params.precision
-    scored = task.evaluate(model, tokenizer, test, work, params, torch.device("cpu"), precision)  # work: no metadata
+    scored = task.evaluate(
+        model,
+        tokenizer,
+        test,
+        work,
+        params,
+        resolve_runtime(params, torch.device("cpu"), tokenizer.pad_token_id, precision),
+    )  # work: no metadata
     result.update(
         {k: scored.metrics[k] for k in ("test_exact_match", "test_exact_match_ci_low", "test_exact_match_ci_high")}
     )

@@ -54,7 +54,14 @@ def run_one(lr: float | str, tokenized: Path, root: Path, rule: str | None = Non
         pad_id=tokenizer.pad_token_id, device=torch.device("cpu"), precision="fp32", task=task,
     )  # fmt: skip
     test = TokenizedSplit.load(tokenized / "test")
-    metrics = task.evaluate(model, tokenizer, test, tokenized, params, torch.device("cpu"), "fp32").metrics
+    metrics = task.evaluate(
+        model,
+        tokenizer,
+        test,
+        tokenized,
+        params,
+        resolve_runtime(params, torch.device("cpu"), tokenizer.pad_token_id, "fp32"),
+    ).metrics
     return {
         "lr": params.lr,
         "auto": sweep is not None,

@@ -35,6 +35,7 @@ import torch
 from benchmarks.bench_instruct import LORA, instruction_rows, params_for, require_assets
 from benchmarks.common import REPO_ROOT
 from pipelines.params import Params
+from pipelines.runtime import resolve_runtime
 
 MAX_LENGTH = 256
 COMMON: dict[str, Any] = {**LORA, "precision": "bf16", "data.max_length": MAX_LENGTH}
@@ -96,7 +97,9 @@ def run_one(name: str, work: Path, folder: Path, seed: int) -> dict[str, Any]:
     wall = time.perf_counter() - start
     m = trained.metrics
     test = TokenizedSplit.load(tokenized / "test")
-    scored = task.evaluate(model, tokenizer, test, tokenized, params, torch.device("cpu"), params.precision)
+    scored = task.evaluate(
+        model, tokenizer, test, tokenized, params, resolve_runtime(params, torch.device("cpu"), tokenizer.pad_token_id)
+    )
     return {
         "rows_per_epoch": len(rows),
         "examples": len(train),

@@ -24,6 +24,7 @@ import torch
 
 from benchmarks.common import REPO_ROOT
 from pipelines.params import Params, apply_overrides, load_params
+from pipelines.runtime import resolve_runtime
 
 BASE: dict[str, Any] = {
     "task": "seq2seq",
@@ -83,7 +84,12 @@ def run_one(name: str, data: Path, epochs: int) -> dict[str, float]:
     if params.grad_checkpointing:
         model.activation_checkpointing_disable()
     scored = task.evaluate(
-        model, tokenizer, TokenizedSplit.load(data / "test"), data, params, torch.device("cpu"), params.precision
+        model,
+        tokenizer,
+        TokenizedSplit.load(data / "test"),
+        data,
+        params,
+        resolve_runtime(params, torch.device("cpu"), tokenizer.pad_token_id),
     )
     m = result.metrics
     return {

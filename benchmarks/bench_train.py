@@ -34,6 +34,7 @@ import torch
 
 from benchmarks.common import TRAINING_BASE, ag_news_params, require_assets, subset
 from pipelines.noise import wilson_interval
+from pipelines.runtime import resolve_runtime
 
 BASE = {**TRAINING_BASE, "data.pad_to_multiple_of": None, "device": "cpu"}
 FIXED = {"data.bucketing": False}
@@ -100,10 +101,8 @@ def run_ours(params, model, train, test, pad_id: int) -> dict[str, float]:
         test,
         names,
         params,
-        pad_id=pad_id,
-        device=torch.device("cpu"),
-        precision=params.precision,
-        task=get_task("classification"),
+        resolve_runtime(params, torch.device("cpu"), pad_id),
+        get_task("classification"),
     ).metrics["test_accuracy"]
     m = result.metrics
     return {

@@ -15,7 +15,7 @@ def evaluate_saved_model(model_dir: Path, tokenized_dir: Path) -> EvaluationResu
     from transformers import AutoTokenizer
 
     from pipelines.adapters import load_trained_model
-    from pipelines.runtime import resolve_device, resolve_precision
+    from pipelines.runtime import resolve_device, resolve_runtime
     from pipelines.tasks import get_task
 
     params = Params.model_validate(json.loads((model_dir / "params.json").read_text(encoding="utf-8")))
@@ -24,4 +24,5 @@ def evaluate_saved_model(model_dir: Path, tokenized_dir: Path) -> EvaluationResu
     device = resolve_device(params)
     model = load_trained_model(model_dir, params, task, tokenizer)
     split = TokenizedSplit.load(tokenized_dir / "test")
-    return task.evaluate(model, tokenizer, split, model_dir, params, device, resolve_precision(params, device))
+    runtime = resolve_runtime(params, device, tokenizer.pad_token_id)  # the full loss projection: no training here
+    return task.evaluate(model, tokenizer, split, model_dir, params, runtime)

@@ -246,7 +246,7 @@ def evaluate_and_save(trial: Trial, setup: Setup, resolved: ResolvedTraining, re
     tokenized = Path(trial.context.tokenized_dir)
     eval_start = time.perf_counter()
     test = TokenizedSplit.load(tokenized / "test")
-    evaluation = setup.task.evaluate(setup.model, tokenizer, test, tokenized, params, runtime.device, runtime.precision)
+    evaluation = setup.task.evaluate(setup.model, tokenizer, test, tokenized, params, runtime)
     test_eval_time = time.perf_counter() - eval_start
     save_start = time.perf_counter()
     save_trained(setup.model, out, params)

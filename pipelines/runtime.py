@@ -11,10 +11,11 @@ import importlib.util
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+from torch import nn
 
 from pipelines.errors import UserError
 from pipelines.library_check import check_library_internals
@@ -166,14 +167,43 @@ def apply_tf32(enabled: bool) -> None:
 
 
 @dataclass(frozen=True)
+class LossImpl:
+    """How a language model's loss projects to its vocabulary (`loss_impl`, resolved): the full projection (None),
+    or `chunk_rows` target positions at a time (`pipelines.tasks.linear_ce`). Passed to the task's loss; never
+    stored on the model."""
+
+    chunk_rows: int | None = None
+
+    def describe(self) -> str:
+        """`full`, or `chunked (<rows> rows)`: the resolved choice as a tag."""
+        return "full" if self.chunk_rows is None else f"chunked ({self.chunk_rows} rows)"
+
+
+FULL_LOSS = LossImpl()
+
+
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` in eval mode inside the block, its train/eval mode as it was after it."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+@dataclass(frozen=True)
 class Runtime:
-    """Where and how a trial's tensors run, every `auto` resolved: device, precision, TF32, pad multiple, pad id."""
+    """Where and how a trial's tensors run, every `auto` resolved: device, precision, TF32, pad multiple, pad id,
+    and the loss's projection (full until the trial's model is known: `pipelines.train.memory_levers.resolve_loss`)."""
 
     device: torch.device
     precision: ResolvedPrecision
     tf32: bool
     pad_multiple: int | None
     pad_id: int
+    loss: LossImpl = field(default=FULL_LOSS)
 
     def autocast(self) -> AbstractContextManager[object]:
         """Autocast in this runtime's precision (a no-op in fp32)."""
@@ -190,7 +220,8 @@ class Runtime:
 
     def notes(self) -> dict[str, str]:
         """The resolved switches as MLflow tags."""
-        return {"tf32.resolved": str(self.tf32).lower(), "pad_to_multiple_of.resolved": str(self.pad_multiple)}
+        return {"tf32.resolved": str(self.tf32).lower(), "pad_to_multiple_of.resolved": str(self.pad_multiple),
+                "loss_impl.resolved": self.loss.describe()}  # fmt: skip
 
 
 def resolve_runtime(

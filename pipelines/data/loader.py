@@ -6,8 +6,8 @@ neither imports the other for it. The task is always given: this module never pi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import nn
@@ -16,29 +16,25 @@ from torch.utils.data import DataLoader
 from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.params import Params
-from pipelines.runtime import resolve_pad_multiple
+from pipelines.runtime import Runtime, eval_mode
 
 if TYPE_CHECKING:
     from pipelines.tasks.base import Task
 
 
 def make_loader(
-    split: TokenizedSplit,
-    batches: list[list[int]],
-    params: Params,
-    pad_id: int,
-    device: torch.device,
-    pad_to_multiple_of: int | None,
-    task: Task,
+    split: TokenizedSplit, batches: list[list[int]], params: Params, runtime: Runtime, task: Task
 ) -> DataLoader:
-    """A DataLoader over precomputed batches of the task's rows; pads dynamically, or to max_length unbucketed."""
+    """A DataLoader over precomputed batches of the task's rows; pads dynamically (to the runtime's pad multiple),
+    or to max_length unbucketed; pinned for a CUDA runtime."""
     collator: PadCollator = task.collator(
         split,
-        pad_id,
+        runtime.pad_id,
         fixed_length=None if params.data.bucketing else params.data.max_length,
-        pad_to_multiple_of=pad_to_multiple_of,
+        pad_to_multiple_of=runtime.pad_multiple,
         params=params,
     )
+    device = runtime.device
     workers = params.num_workers
     return DataLoader(
         collator,
@@ -69,19 +65,33 @@ def eval_batch_rows(params: Params) -> int:
     return 2 * params.batch_size * params.grad_accum_steps
 
 
+def in_process(params: Params) -> Params:
+    """`params` with batches collated in this process (no loader workers): probes and scoring."""
+    return params.model_copy(update={"num_workers": 0, "persistent_workers": False})
+
+
 def eval_batches(
-    model: nn.Module, split: TokenizedSplit, params: Params, pad_id: int, device: torch.device, task: Task
+    split: TokenizedSplit, params: Params, runtime: Runtime, task: Task
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """The split's rows as the task's batches on `device`: sorted by length (least padding), in-process."""
+    """The split's rows as the task's batches on the runtime's device: sorted by length (least padding), in-process."""
     sampler = LengthGroupedBatchSampler(split.lengths, eval_batch_rows(params), bucketing=True, shuffle=False)
-    loader = make_loader(
-        split,
-        sampler.batches(0),
-        params.model_copy(update={"num_workers": 0, "persistent_workers": False}),
-        pad_id,
-        device,
-        resolve_pad_multiple(params, device),
-        task,
-    )
-    for batch in loader:
-        yield to_device(batch, device)
+    for batch in make_loader(split, sampler.batches(0), in_process(params), runtime, task):
+        yield to_device(batch, runtime.device)
+
+
+Scored = TypeVar("Scored")
+
+
+@torch.inference_mode()
+def score_batches(
+    model: nn.Module, split: TokenizedSplit, params: Params, runtime: Runtime, task: Task,
+    score: Callable[[dict[str, torch.Tensor]], Scored],
+) -> list[Scored]:  # fmt: skip
+    """The one evaluation loop: `score(batch)` for each of the split's scoring batches (`eval_batches`), in inference
+    mode, the model in eval mode (then as it was), under the runtime's autocast."""
+    with eval_mode(model):
+        results = []
+        for batch in eval_batches(split, params, runtime, task):
+            with runtime.autocast():
+                results.append(score(batch))
+        return results

@@ -34,28 +34,23 @@ from torch._subclasses.fake_tensor import (
 )
 
 from pipelines.adapters import apply_adapter
-from pipelines.data.loader import make_loader
+from pipelines.data.loader import in_process, make_loader
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.params import Params
 from pipelines.resolve.qlora_plan import EightBitAdamWPlan, as_qlora
 from pipelines.resolve.target import CPU_TARGET, PlanTarget
-from pipelines.runtime import ResolvedPrecision, resolve_pad_multiple
+from pipelines.runtime import ResolvedPrecision, Runtime, resolve_pad_multiple
 from pipelines.tasks.base import Task
 from pipelines.train.eval_memory import generation_peak, largest_eval_batch, validation_peak
 from pipelines.train.fast_dropout import fast_dropout
 from pipelines.train.flops import flop_counter
 from pipelines.train.memory import MemoryAtPeak, track_step
-from pipelines.train.memory_levers import apply_memory_levers
+from pipelines.train.memory_levers import apply_memory_levers, resolve_loss
 from pipelines.train.optim import build_optimizer
 from pipelines.train.parallel import sharding_units
-from pipelines.train.steps import (
-    backward_micro_batch,
-    make_scaler,
-    plan_windows,
-    training_sampler,
-    window_units,
-)
+from pipelines.train.step import TrainStep, make_scaler
+from pipelines.train.windows import plan_windows, training_sampler, window_units
 
 CPU = torch.device("cpu")
 # Counters the plan does not need on its fake batches (`num_positions` stays: it scales the FLOPs).
@@ -213,13 +208,12 @@ def _fake_model(
 
 
 def _evaluation_peaks(
-    model: nn.Module, optimizer: torch.optim.Optimizer, eval_batch: dict[str, torch.Tensor], train: TokenizedSplit,
-    params: Params, task: Task, precision: ResolvedPrecision,
-) -> tuple[int, int]:  # fmt: skip
+    step: TrainStep, eval_batch: dict[str, torch.Tensor], train: TokenizedSplit, params: Params
+) -> tuple[int, int]:
     """Validation's largest scoring batch beside the optimizer state, and the evaluate stage's generation."""
-    validation = validation_peak(model, optimizer, eval_batch, precision, task)
-    probe = task.generation_probe(train, params)
-    return validation, 0 if probe is None else generation_peak(model, probe, precision)
+    validation = validation_peak(step.model, step.optimizer, eval_batch, step.runtime, step.task)
+    probe = step.task.generation_probe(train, params)
+    return validation, 0 if probe is None else generation_peak(step.model, probe, step.runtime)
 
 
 def _all_fake(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
@@ -263,17 +257,16 @@ def _unavailable_on_failure(plan: Callable[..., MemoryPlan]) -> Callable[..., Me
 
 
 def _first_window(
-    params: Params, task: Task, train: TokenizedSplit, pad_id: int, device: torch.device
+    params: Params, task: Task, train: TokenizedSplit, runtime: Runtime
 ) -> tuple[list[list[int]], float, list[dict[str, torch.Tensor]], int]:
     """The first (longest) accumulation window: its rows, loss units, the micro-batches that can set its peak
-    (collated on the host, padded as the trial on `device` pads them), and all its positions."""
+    (collated on the host, padded as the trial pads them: the runtime's pad multiple), and all its positions."""
     sampler = training_sampler(train, params)
     window = plan_windows(sampler.batches(0), params.grad_accum_steps)[0]
     units = window_units(window, task.loss_units(train, params))
-    in_process = params.model_copy(update={"num_workers": 0, "persistent_workers": False})
     batches = [
         {k: v for k, v in batch.items() if k not in _HOST_COUNTS}
-        for batch in make_loader(train, window, in_process, pad_id, CPU, resolve_pad_multiple(params, device), task)
+        for batch in make_loader(train, window, in_process(params), runtime, task)
     ]
     return window, units, peak_micro_batches(batches), sum(int(b["num_positions"]) for b in batches)
 
@@ -303,30 +296,29 @@ def plan_memory(
     if params.adapter.type == "qlora":
         return _plan_qlora(params, task, train, build_base, pad_id, precision, device, target)
     start = time.perf_counter()
-    window, units, batches, all_positions = _first_window(params, task, train, pad_id, device)
+    # The fake step runs on the CPU, with the trial's precision and its padding on `device`.
+    runtime = Runtime(CPU, precision, False, resolve_pad_multiple(params, device), pad_id)
+    window, units, batches, all_positions = _first_window(params, task, train, runtime)
     # The planned micro-batches stand for the whole window: FLOPs scale with its positions (read here: under
     # fake mode, reading a tensor's value is a data-dependent op).
     scale = all_positions / sum(int(b["num_positions"]) for b in batches)
     # Validation's largest scoring batch, collated on the host as the trial collates it (not under fake mode).
-    eval_batch = largest_eval_batch(train, params, task, pad_id, resolve_pad_multiple(params, device))
+    eval_batch = largest_eval_batch(train, params, task, runtime)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = _fake_model(mode, params.seed, build_base, adapt)
     with mode:
         model.train()
         recompute = target.recompute_context if target.card is not None else None
-        apply_memory_levers(model, params, task, device, planning=True, recompute_context=recompute)  # as trained
+        offload = apply_memory_levers(model, params, device, planning=True, recompute_context=recompute)  # as trained
+        runtime = replace(runtime, loss=resolve_loss(model, params, task))
         optimizer = _optimizer(params, model)
-        scaler = make_scaler(precision, CPU)
         trainable = [p for p in model.parameters() if p.requires_grad]
+        # The trial's own step, with a disabled scaler (its non-finite check reads values, which fakes do not have).
+        train_step = TrainStep(model, optimizer, task, runtime, make_scaler(runtime, enabled=False),
+                               params.max_grad_norm, offload)  # fmt: skip
 
         def step(meter: object | None) -> None:
-            for batch in batches:
-                with meter.measure() if meter is not None else nullcontext():  # type: ignore[attr-defined]
-                    backward_micro_batch(model, batch, units, precision, CPU, scaler, task)
-            if params.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(trainable, params.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            train_step(batches, units, meter)
 
         # The engine's CPU dropout (its attention swap needs real outputs to check, so it is not tried here).
         dropout = fast_dropout(model) if params.fast_dropout and not params.compile else nullcontext()
@@ -337,7 +329,7 @@ def plan_memory(
         state = [v for kept in optimizer.state.values() for v in kept.values() if isinstance(v, torch.Tensor)]
         state = [v for v in state if v.numel() > 1]  # as the trial counts: moments and factors, not scalar steps
         with target.rules():
-            eval_peak, generation = _evaluation_peaks(model, optimizer, eval_batch, train, params, task, precision)
+            eval_peak, generation = _evaluation_peaks(train_step, eval_batch, train, params)
     plan = MemoryPlan(
         peak=peak.total,
         parameters=_nbytes(list(model.parameters())),

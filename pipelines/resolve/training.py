@@ -8,7 +8,7 @@ evaluation and the saved folder then read the same decisions, and nothing change
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -22,6 +22,7 @@ from pipelines.runtime import Runtime
 from pipelines.tasks.base import Task
 from pipelines.train.batch_size import resolve_batch_size
 from pipelines.train.lr_range import LrRangeResult, resolve_lr
+from pipelines.train.memory_levers import resolve_loss
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ def resolve_training(
     A micro-batch probed for real is planned again at the size found (`plans`: False on ranks that log nothing).
     """
     params = preflight.params
+    runtime = replace(runtime, loss=resolve_loss(model, params, task))  # on the adapted model: its head decides
     longest = int(train.lengths.max())
     if params.data.bucketing:
         longest = padded_length(longest, runtime.pad_multiple)

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from pipelines.data.batching import PadCollator
     from pipelines.data.tokenization import TokenizedSplit
-    from pipelines.runtime import ResolvedPrecision
+    from pipelines.runtime import LossImpl, Runtime
 
 
 @dataclass
@@ -174,8 +174,13 @@ class Task(ABC):
         """
 
     @abstractmethod
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of the batch's loss terms in fp32, number of terms) for a batch on the model's device."""
+    def loss(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], loss_impl: LossImpl | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of the batch's loss terms in fp32, number of terms) for a batch on the model's device.
+
+        `loss_impl`: how a vocabulary projection is computed (the runtime's; None: the full projection); a task
+        whose loss projects no vocabulary ignores it."""
 
     def generation_probe(self, split: TokenizedSplit, params: Params) -> GenerationProbe | None:
         """What the memory plan runs for the evaluate stage's largest generation batch, or None for a task that
@@ -189,25 +194,11 @@ class Task(ABC):
     # ---- scoring --------------------------------------------------------------------------
     @abstractmethod
     def validation_metrics(
-        self,
-        model: nn.Module,
-        split: TokenizedSplit,
-        params: Params,
-        pad_id: int,
-        device: torch.device,
-        precision: ResolvedPrecision,
+        self, model: nn.Module, split: TokenizedSplit, params: Params, runtime: Runtime
     ) -> dict[str, float]:
-        """Cheap metrics at every epoch's end (`val_loss` and the task's own), teacher-forced."""
+        """Cheap metrics at every epoch's end (`val_loss` and the task's own), teacher-forced, in `runtime`."""
 
     @abstractmethod
-    def evaluate(
-        self,
-        model: nn.Module,
-        tokenizer: PreTrainedTokenizerBase,
-        split: TokenizedSplit,
-        meta_dir: Path,
-        params: Params,
-        device: torch.device,
-        precision: ResolvedPrecision,
-    ) -> EvaluationResult:
+    def evaluate(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, split: TokenizedSplit, meta_dir: Path,
+                 params: Params, runtime: Runtime) -> EvaluationResult:  # fmt: skip
         """The test split's metrics (with 95% intervals), predictions in row order, and plot rows."""

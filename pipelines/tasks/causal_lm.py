@@ -25,8 +25,9 @@ from pipelines.data.synthetic import generate_instructions
 from pipelines.data.tokenization import TokenizedSplit, train_causal_word_tokenizer
 from pipelines.errors import UserError
 from pipelines.params import DataParams, ModelParams, Params
-from pipelines.runtime import ResolvedPrecision
-from pipelines.tasks.base import Encoded, EvaluationResult, GenerationProbe, QualityMetric, Task
+from pipelines.runtime import LossImpl, Runtime
+from pipelines.tasks.base import Encoded, EvaluationResult, GenerationProbe, QualityMetric
+from pipelines.tasks.generation import GenerationTask, score_generation
 from pipelines.tasks.linear_ce import projected_cross_entropy, unwrapped
 
 if TYPE_CHECKING:
@@ -128,7 +129,7 @@ def _keeps_logits(model: nn.Module) -> bool:
 
 
 def next_token_loss(
-    model: nn.Module, batch: dict[str, torch.Tensor]
+    model: nn.Module, batch: dict[str, torch.Tensor], loss_impl: LossImpl | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(summed fp32 cross-entropy over target tokens, their count, how many the argmax got right).
 
@@ -149,17 +150,16 @@ def next_token_loss(
         forward = lambda: torch.take_along_dim(  # noqa: E731
             model(**inputs, use_cache=False).logits, positions[..., None], dim=1
         )
-    total, correct = projected_cross_entropy(model, forward, targets)
+    total, correct = projected_cross_entropy(model, forward, targets, loss_impl or LossImpl())
     counted = targets != IGNORE
     return total, counted.sum(), correct
 
 
-class CausalLmTask(Task):
+class CausalLmTask(GenerationTask):
     """Instruction, chat or plain-text fine-tuning of a decoder (LlamaForCausalLM from a config offline)."""
 
     name = "causal_lm"
     peft_task_type = "CAUSAL_LM"
-    projects_vocabulary = True
     objective = ("val_loss", "min")
     validation_metric_names = ("val_loss", "val_token_accuracy")
     quality = (
@@ -301,26 +301,7 @@ class CausalLmTask(Task):
             raise UserError(f"data.packing: {reason}")
         return pack_split(split, params.data.max_length)
 
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        total, count, _ = next_token_loss(model, batch)
-        return total, count
-
-    def probe_labels(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return input_ids.clone()
-
-    def validation_metrics(
-        self,
-        model: nn.Module,
-        split: TokenizedSplit,
-        params: Params,
-        pad_id: int,
-        device: torch.device,
-        precision: ResolvedPrecision,
-    ) -> dict[str, float]:
-        from pipelines.tasks.generation import teacher_forced
-
-        loss, accuracy = teacher_forced(model, split, params, pad_id, device, precision, self, next_token_loss)
-        return {"val_loss": loss, "val_token_accuracy": accuracy}
+    token_loss = staticmethod(next_token_loss)
 
     def generation_probe(self, split: TokenizedSplit, params: Params) -> GenerationProbe | None:
         # Generation batches the longest prompts together (sorted by length, left-padded), then appends up to
@@ -339,16 +320,6 @@ class CausalLmTask(Task):
                    "attention_mask": torch.ones(rows, width, dtype=torch.long)}  # fmt: skip
         return GenerationProbe(prefill, step, new_tokens=new - 1)
 
-    def evaluate(
-        self,
-        model: nn.Module,
-        tokenizer: PreTrainedTokenizerBase,
-        split: TokenizedSplit,
-        meta_dir: Path,
-        params: Params,
-        device: torch.device,
-        precision: ResolvedPrecision,
-    ) -> EvaluationResult:
-        from pipelines.tasks.generation import score_generation
-
-        return score_generation(model, tokenizer, split, params, device, precision, self, next_token_loss)
+    def evaluate(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, split: TokenizedSplit, meta_dir: Path,
+                 params: Params, runtime: Runtime) -> EvaluationResult:  # fmt: skip
+        return score_generation(model, tokenizer, split, params, runtime, self)

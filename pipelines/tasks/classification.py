@@ -25,7 +25,7 @@ from pipelines.data.tokenization import (
     train_word_tokenizer,
 )
 from pipelines.params import DataParams, ModelParams, Params
-from pipelines.runtime import ResolvedPrecision
+from pipelines.runtime import LossImpl, Runtime
 from pipelines.tasks import classification_scoring as scoring
 from pipelines.tasks.base import Encoded, EvaluationResult, QualityMetric, Task
 
@@ -132,7 +132,10 @@ class ClassificationTask(Task):
     def loss_units(self, split: TokenizedSplit, params: Params) -> np.ndarray:
         return np.ones(len(split), dtype=np.int64)
 
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], loss_impl: LossImpl | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # A classifier's head projects to its classes, not a vocabulary: `loss_impl` does not apply.
         # Looked up on the module at call time: tests substitute scoring.forward_logits for wrapped models.
         logits = scoring.forward_logits(model, batch)
         # Cross-entropy in fp32 even under autocast: a bf16 log-softmax loses the small differences.
@@ -143,31 +146,15 @@ class ClassificationTask(Task):
         return torch.zeros(len(input_ids), dtype=torch.long, device=input_ids.device)
 
     def validation_metrics(
-        self,
-        model: nn.Module,
-        split: TokenizedSplit,
-        params: Params,
-        pad_id: int,
-        device: torch.device,
-        precision: ResolvedPrecision,
+        self, model: nn.Module, split: TokenizedSplit, params: Params, runtime: Runtime
     ) -> dict[str, float]:
-        logits, loss = scoring.predict_logits(model, split, params, pad_id, device, precision, self)
+        logits, loss = scoring.predict_logits(model, split, params, runtime, self)
         return {"val_loss": loss, "val_accuracy": float((logits.argmax(1) == split.labels).mean())}
 
-    def evaluate(
-        self,
-        model: nn.Module,
-        tokenizer: PreTrainedTokenizerBase,
-        split: TokenizedSplit,
-        meta_dir: Path,
-        params: Params,
-        device: torch.device,
-        precision: ResolvedPrecision,
-    ) -> EvaluationResult:
+    def evaluate(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, split: TokenizedSplit, meta_dir: Path,
+                 params: Params, runtime: Runtime) -> EvaluationResult:  # fmt: skip
         names = load_label_names(meta_dir)
-        result = scoring.evaluate_model(
-            model, split, names, params, pad_id=tokenizer.pad_token_id, device=device, precision=precision, task=self
-        )
+        result = scoring.evaluate_model(model, split, names, params, runtime, self)
         plots = {
             "confusion": scoring.confusion_rows(result.confusion, names),
             "per_class": scoring.per_class_rows(result.metrics, names),

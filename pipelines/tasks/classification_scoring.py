@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipelines.data.loader import eval_batches
+from pipelines.data.loader import score_batches
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.noise import bootstrap_macro_f1_interval, confusion_counts, per_class_scores, wilson_interval
 from pipelines.params import Params
-from pipelines.runtime import ResolvedPrecision, autocast_context
+from pipelines.runtime import Runtime
 
 if TYPE_CHECKING:
     from pipelines.tasks.base import Task
@@ -28,30 +28,25 @@ def forward_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Te
     return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
 
-@torch.inference_mode()
 def predict_logits(
-    model: nn.Module,
-    split: TokenizedSplit,
-    params: Params,
-    pad_id: int,
-    device: torch.device,
-    precision: ResolvedPrecision,
-    task: Task,
+    model: nn.Module, split: TokenizedSplit, params: Params, runtime: Runtime, task: Task
 ) -> tuple[np.ndarray, float]:
     """A classifier's (logits in the split's row order, mean loss), from length-bucketed batches."""
-    was_training = model.training
-    model.eval()
-    logits = np.zeros((len(split), 0), dtype=np.float32)
-    total_loss = torch.zeros((), device=device)
-    for batch in eval_batches(model, split, params, pad_id, device, task):
-        with autocast_context(precision, device):
-            out = forward_logits(model, batch).float()
-        total_loss += F.cross_entropy(out, batch["labels"], reduction="sum")
-        if logits.shape[1] == 0:
-            logits = np.zeros((len(split), out.shape[1]), dtype=np.float32)
+
+    def score(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out = forward_logits(model, batch).float()
+        with torch.autocast(runtime.device.type, enabled=False):  # the fp32 loss, as before autocast's region
+            loss = F.cross_entropy(out, batch["labels"], reduction="sum")
+        return out, loss, batch["row_index"]
+
+    scored = score_batches(model, split, params, runtime, task, score)
+    width = scored[0][0].shape[1] if scored else 0
+    logits = np.zeros((len(split), width), dtype=np.float32)
+    total_loss = torch.zeros((), device=runtime.device)
+    for out, loss, rows in scored:
+        total_loss += loss
         # Scatter back by row index: bucketing reorders rows, predictions must not move.
-        logits[batch["row_index"].cpu().numpy()] = out.cpu().numpy()
-    model.train(was_training)
+        logits[rows.cpu().numpy()] = out.cpu().numpy()
     return logits, float(total_loss) / len(split)
 
 
@@ -106,20 +101,12 @@ def score(labels: np.ndarray, logits: np.ndarray, label_names: list[str]) -> Eva
 
 
 def evaluate_model(
-    model: torch.nn.Module,
-    split: TokenizedSplit,
-    label_names: list[str],
-    params: Params,
-    *,
-    pad_id: int,
-    device: torch.device,
-    precision: ResolvedPrecision,
-    task: Task,
+    model: torch.nn.Module, split: TokenizedSplit, label_names: list[str], params: Params, runtime: Runtime, task: Task
 ) -> Evaluation:
     """Run `model` over `split` (bucketed, inference mode) and score it."""
-    model.to(device)
+    model.to(runtime.device)
     start = time.perf_counter()
-    logits, loss = predict_logits(model, split, params, pad_id, device, precision, task)
+    logits, loss = predict_logits(model, split, params, runtime, task)
     elapsed = time.perf_counter() - start
     result = score(split.labels, logits, label_names)
     result.metrics["test_loss"] = loss

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from abc import abstractmethod
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,42 +18,57 @@ import pandas as pd
 import torch
 from torch import nn
 
-from pipelines.data.loader import eval_batch_rows, eval_batches
+from pipelines.data.loader import eval_batch_rows, score_batches
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.noise import wilson_interval
 from pipelines.params import Params
-from pipelines.runtime import ResolvedPrecision, autocast_context
+from pipelines.runtime import LossImpl, Runtime, eval_mode
 from pipelines.tasks.answer_plots import answer_plots
 from pipelines.tasks.base import EvaluationResult, Task
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-# (model, batch) -> (summed fp32 loss over target tokens, their count, how many the argmax got right)
-TokenLoss = Callable[[nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+class GenerationTask(Task):
+    """What the two generating tasks (causal LM, seq2seq) share: a loss over target tokens that also counts the
+    argmax's hits (`token_loss`), the teacher-forced validation metrics, and synthetic labels for probes."""
+
+    projects_vocabulary = True
+
+    @staticmethod
+    @abstractmethod
+    def token_loss(
+        model: nn.Module, batch: dict[str, torch.Tensor], loss_impl: LossImpl | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(summed fp32 cross-entropy over the batch's target tokens, their count, how many the argmax got right)."""
+
+    def loss(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], loss_impl: LossImpl | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        total, count, _ = self.token_loss(model, batch, loss_impl)
+        return total, count
+
+    def probe_labels(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return input_ids.clone()
+
+    def validation_metrics(
+        self, model: nn.Module, split: TokenizedSplit, params: Params, runtime: Runtime
+    ) -> dict[str, float]:
+        loss, accuracy = teacher_forced(model, split, params, runtime, self)
+        return {"val_loss": loss, "val_token_accuracy": accuracy}
 
 
-@torch.inference_mode()
 def teacher_forced(
-    model: nn.Module,
-    split: TokenizedSplit,
-    params: Params,
-    pad_id: int,
-    device: torch.device,
-    precision: ResolvedPrecision,
-    task: Task,
-    token_loss: TokenLoss,
+    model: nn.Module, split: TokenizedSplit, params: Params, runtime: Runtime, task: GenerationTask
 ) -> tuple[float, float]:
-    """(mean loss over the split's target tokens, share of them the argmax predicts), in `task`'s batches."""
-    total = torch.zeros((), device=device, dtype=torch.float64)
-    count = correct = torch.zeros((), device=device, dtype=torch.long)
-    was_training = model.training
-    model.eval()
-    for batch in eval_batches(model, split, params, pad_id, device, task):
-        with autocast_context(precision, device):
-            loss, n, right = token_loss(model, batch)
+    """(mean loss over the split's target tokens, share of them the argmax predicts), in `task`'s batches, with the
+    runtime's loss projection."""
+    total = torch.zeros((), device=runtime.device, dtype=torch.float64)
+    count = correct = torch.zeros((), device=runtime.device, dtype=torch.long)
+    scored = score_batches(model, split, params, runtime, task, lambda b: task.token_loss(model, b, runtime.loss))
+    for loss, n, right in scored:
         total, count, correct = total + loss.double(), count + n, correct + right
-    model.train(was_training)
     n_targets = max(int(count), 1)
     return float(total) / n_targets, int(correct) / n_targets
 
@@ -75,17 +90,17 @@ def answer_text(tokenizer: PreTrainedTokenizerBase, ids: list[int] | np.ndarray)
 
 @torch.inference_mode()
 def generate_answers(
-    model: nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    prompts: list[np.ndarray],
-    params: Params,
-    device: torch.device,
-    precision: ResolvedPrecision,
+    model: nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[np.ndarray], params: Params, runtime: Runtime
 ) -> list[str]:
     """Greedy answers to `prompts` (token ids), in their order: length-bucketed, left-padded batches."""
-    was_training = model.training
-    model.eval()
-    pad_id = tokenizer.pad_token_id
+    with eval_mode(model):
+        return _greedy_answers(model, tokenizer, prompts, params, runtime)
+
+
+def _greedy_answers(
+    model: nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[np.ndarray], params: Params, runtime: Runtime
+) -> list[str]:
+    pad_id, device = tokenizer.pad_token_id, runtime.device
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     rows = eval_batch_rows(params)
     answers = [""] * len(prompts)
@@ -97,7 +112,7 @@ def generate_answers(
         for row, i in enumerate(batch):
             ids[row, width - len(prompts[i]) :] = torch.from_numpy(prompts[i])
             mask[row, width - len(prompts[i]) :] = 1
-        with autocast_context(precision, device):
+        with runtime.autocast():
             out = model.generate(
                 input_ids=ids.to(device),
                 attention_mask=mask.to(device),
@@ -109,27 +124,19 @@ def generate_answers(
             )
         for row, i in enumerate(batch):
             answers[i] = answer_text(tokenizer, out[row, width:].tolist())
-    model.train(was_training)
     return answers
 
 
 def score_generation(
-    model: nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    split: TokenizedSplit,
-    params: Params,
-    device: torch.device,
-    precision: ResolvedPrecision,
-    task: Task,
-    token_loss: TokenLoss,
-) -> EvaluationResult:
+    model: nn.Module, tokenizer: PreTrainedTokenizerBase, split: TokenizedSplit, params: Params, runtime: Runtime,
+    task: GenerationTask,
+) -> EvaluationResult:  # fmt: skip
     """Loss, perplexity and token accuracy (teacher-forced), and exact match of greedy answers with its interval."""
-    model.to(device)
+    model.to(runtime.device)
     start = time.perf_counter()
-    pad_id = tokenizer.pad_token_id
-    loss, token_accuracy = teacher_forced(model, split, params, pad_id, device, precision, task, token_loss)
+    loss, token_accuracy = teacher_forced(model, split, params, runtime, task)
     pairs = [_row_tokens(split, row) for row in range(len(split))]
-    generated = generate_answers(model, tokenizer, [prompt for prompt, _ in pairs], params, device, precision)
+    generated = generate_answers(model, tokenizer, [prompt for prompt, _ in pairs], params, runtime)
     references = [answer_text(tokenizer, response) for _, response in pairs]
     exact = np.array([g == r for g, r in zip(generated, references, strict=True)])
     low, high = wilson_interval(int(exact.sum()), len(exact))

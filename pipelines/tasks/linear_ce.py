@@ -8,8 +8,9 @@ cut-cross-entropy or Liger because it must also run on a CPU and on fake tensors
 trial's own loss); on CUDA `kernels: liger` uses Liger's fused kernel instead. Same loss and gradients as the
 full projection (fp32: within 1e-5; tests/pipelines/test_memory_levers.py), the same autocast dtype for the matmul.
 
-How the model computes it is set once per trial (`set_loss_chunk_rows`, by the engine's memory levers): a loss
-function reads it from the model it is given, so the plan, the warm-up, training and validation agree.
+Which form runs is resolved once per trial into the runtime's `LossImpl` (`pipelines.train.memory_levers.resolve_loss`)
+and passed to the task's loss as an argument, never stored on the model, so the plan, the warm-up, training and
+validation agree.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipelines.data.packing import IGNORE
+from pipelines.runtime import FULL_LOSS, LossImpl
 
 # fp32 logits per chunk: 85 rows of a 49,152-word vocabulary. Forward and backward each hold about two chunk-sized
 # tensors: on SmolLM2's head at 1,024 targets the loss's own peak is 92% below the full projection's, its time
 # 1.65x on a CPU (the recomputed projection; benchmarks/RESULTS.md, "Memory levers").
 CHUNK_BYTES = 16 * 1024 * 1024
-_ATTRIBUTE = "_pipelines_loss_chunk_rows"
 # Config fields that transform logits after the head (soft-capping, scaling): the chunked form would skip them.
 _AFTER_HEAD = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
@@ -58,16 +59,6 @@ def chunked_loss_unsupported(model: nn.Module) -> str | None:
     if changed or hasattr(inner, "final_logits_bias"):
         return f"{name} transforms its logits after the projection ({', '.join(changed) or 'final_logits_bias'})"
     return None
-
-
-def set_loss_chunk_rows(model: nn.Module, rows: int | None) -> None:
-    """Make the model's language-model loss chunked (`rows` per chunk) or full (None)."""
-    setattr(unwrapped(model), _ATTRIBUTE, rows)
-
-
-def loss_chunk_rows(model: nn.Module) -> int | None:
-    """Rows per chunk of the model's loss, or None for the full projection."""
-    return getattr(unwrapped(model), _ATTRIBUTE, None)
 
 
 def _identity(hidden: torch.Tensor) -> torch.Tensor:
@@ -152,14 +143,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def projected_cross_entropy(
-    model: nn.Module, forward: Callable[[], torch.Tensor], targets: torch.Tensor
+    model: nn.Module, forward: Callable[[], torch.Tensor], targets: torch.Tensor, loss: LossImpl = FULL_LOSS
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed fp32 cross-entropy over `targets` != IGNORE, how many the argmax got right).
+    """(summed fp32 cross-entropy over `targets` != IGNORE, how many the argmax got right), as `loss` projects.
 
     `forward()` runs the model and returns its output at the target positions (`targets`' shape plus one axis):
     the logits, or, with the loss chunked, the hidden states the head would have projected.
     """
-    rows = loss_chunk_rows(model)
+    rows = loss.chunk_rows
     flat_targets = targets.reshape(-1)
     if rows is None:
         logits = forward()

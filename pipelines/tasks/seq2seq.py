@@ -21,16 +21,17 @@ import torch
 from torch import nn
 
 from pipelines.data.batching import PadCollator, padded_length
-from pipelines.data.loader import eval_batch_rows, eval_batches, to_device
+from pipelines.data.loader import eval_batch_rows, score_batches
 from pipelines.data.sources import DataError, check_columns
 from pipelines.data.synthetic import generate_translations
 from pipelines.data.tokenization import TokenizedSplit, train_causal_word_tokenizer
 from pipelines.noise import wilson_interval
 from pipelines.params import DataParams, ModelParams, Params
-from pipelines.runtime import ResolvedPrecision, autocast_context
+from pipelines.runtime import LossImpl, Runtime
 from pipelines.tasks.answer_plots import answer_plots
-from pipelines.tasks.base import Encoded, EvaluationResult, GenerationProbe, QualityMetric, Task
+from pipelines.tasks.base import Encoded, EvaluationResult, GenerationProbe, QualityMetric
 from pipelines.tasks.causal_lm import IGNORE
+from pipelines.tasks.generation import GenerationTask, answer_text, teacher_forced
 from pipelines.tasks.linear_ce import projected_cross_entropy
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ class Seq2SeqCollator(PadCollator):
 
 
 def target_token_loss(
-    model: nn.Module, batch: dict[str, torch.Tensor]
+    model: nn.Module, batch: dict[str, torch.Tensor], loss_impl: LossImpl | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(summed fp32 cross-entropy over target tokens, their count, how many the argmax got right)."""
     decoder_input = batch.get("decoder_input_ids")
@@ -94,7 +95,7 @@ def target_token_loss(
     # Every position with ignore_index, not the targets picked by a boolean mask: a mask's data-dependent shape
     # costs a host sync per micro-batch on CUDA and cannot be sized on fake tensors (the memory plan). Decoder
     # rows pad only past their EOS, so the fp32 copy covers few positions more than the targets.
-    total, correct = projected_cross_entropy(model, forward, labels)
+    total, correct = projected_cross_entropy(model, forward, labels, loss_impl or LossImpl())
     targets = labels != IGNORE
     return total, targets.sum(), correct
 
@@ -103,12 +104,11 @@ def _append_eos(ids: list[int], eos: int) -> list[int]:
     return ids if ids and ids[-1] == eos else ids + [eos]
 
 
-class Seq2SeqTask(Task):
+class Seq2SeqTask(GenerationTask):
     """Source → target with an encoder-decoder (T5ForConditionalGeneration from a config offline)."""
 
     name = "seq2seq"
     peft_task_type = "SEQ_2_SEQ_LM"
-    projects_vocabulary = True
     objective = ("val_loss", "min")
     validation_metric_names = ("val_loss", "val_token_accuracy")
     quality = (
@@ -215,26 +215,7 @@ class Seq2SeqTask(Task):
         assert split.prompt_lengths is not None
         return (split.lengths - split.prompt_lengths).astype(np.int64)
 
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        total, count, _ = target_token_loss(model, batch)
-        return total, count
-
-    def probe_labels(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return input_ids.clone()
-
-    def validation_metrics(
-        self,
-        model: nn.Module,
-        split: TokenizedSplit,
-        params: Params,
-        pad_id: int,
-        device: torch.device,
-        precision: ResolvedPrecision,
-    ) -> dict[str, float]:
-        from pipelines.tasks.generation import teacher_forced
-
-        loss, accuracy = teacher_forced(model, split, params, pad_id, device, precision, self, target_token_loss)
-        return {"val_loss": loss, "val_token_accuracy": accuracy}
+    token_loss = staticmethod(target_token_loss)
 
     def generation_probe(self, split: TokenizedSplit, params: Params) -> GenerationProbe | None:
         # Beam search runs every source num_beams times: the encoder once, then the decoder one token at a time
@@ -252,48 +233,28 @@ class Seq2SeqTask(Task):
         prefill = {**inputs, "input_ids": torch.zeros(rows, source, dtype=torch.long)}
         return GenerationProbe(prefill, step, new_tokens=params.eval.max_new_tokens - 1)
 
-    def evaluate(
-        self,
-        model: nn.Module,
-        tokenizer: PreTrainedTokenizerBase,
-        split: TokenizedSplit,
-        meta_dir: Path,
-        params: Params,
-        device: torch.device,
-        precision: ResolvedPrecision,
-    ) -> EvaluationResult:
-        return score_translation(model, tokenizer, split, params, device, precision, self)
+    def evaluate(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, split: TokenizedSplit, meta_dir: Path,
+                 params: Params, runtime: Runtime) -> EvaluationResult:  # fmt: skip
+        return score_translation(model, tokenizer, split, params, runtime, self)
 
 
-@torch.inference_mode()
 def translate(
-    model: nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    split: TokenizedSplit,
-    params: Params,
-    device: torch.device,
-    precision: ResolvedPrecision,
-    task: Task,
-) -> list[str]:
+    model: nn.Module, tokenizer: PreTrainedTokenizerBase, split: TokenizedSplit, params: Params, runtime: Runtime,
+    task: Seq2SeqTask,
+) -> list[str]:  # fmt: skip
     """Generated targets for every row, in row order: sources sorted by length, batched, beam size eval.num_beams."""
-    from pipelines.tasks.generation import answer_text
 
-    was_training = model.training
-    model.eval()
+    def generate(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+        out = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                             max_new_tokens=params.eval.max_new_tokens, num_beams=params.eval.num_beams,
+                             do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+        return out, batch["row_index"].tolist()
+
     answers = [""] * len(split)
-    for batch in eval_batches(model, split, params, tokenizer.pad_token_id, device, task):
-        with autocast_context(precision, device):
-            out = model.generate(
-                **to_device({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}, device),
-                max_new_tokens=params.eval.max_new_tokens,
-                num_beams=params.eval.num_beams,
-                do_sample=False,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-            )
-        for row, index in enumerate(batch["row_index"].tolist()):
+    for out, rows in score_batches(model, split, params, runtime, task, generate):
+        for row, index in enumerate(rows):
             answers[index] = answer_text(tokenizer, out[row, 1:].tolist())  # after the decoder's start token
-    model.train(was_training)
     return answers
 
 
@@ -313,23 +274,14 @@ def generation_metrics(generated: list[str], references: list[str]) -> dict[str,
 
 
 def score_translation(
-    model: nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    split: TokenizedSplit,
-    params: Params,
-    device: torch.device,
-    precision: ResolvedPrecision,
-    task: Task,
-) -> EvaluationResult:
+    model: nn.Module, tokenizer: PreTrainedTokenizerBase, split: TokenizedSplit, params: Params, runtime: Runtime,
+    task: Seq2SeqTask,
+) -> EvaluationResult:  # fmt: skip
     """Loss, perplexity and token accuracy (teacher-forced); BLEU, chrF (sacrebleu) and exact match of generations."""
-    from pipelines.tasks.generation import answer_text, teacher_forced
-
-    model.to(device)
+    model.to(runtime.device)
     start = time.perf_counter()
-    loss, accuracy = teacher_forced(
-        model, split, params, tokenizer.pad_token_id, device, precision, task, target_token_loss
-    )
-    generated = translate(model, tokenizer, split, params, device, precision, task)
+    loss, accuracy = teacher_forced(model, split, params, runtime, task)
+    generated = translate(model, tokenizer, split, params, runtime, task)
     assert split.prompt_lengths is not None
     rows = [np.asarray(split.input_ids[o : o + n]) for o, n in zip(split.offsets, split.lengths, strict=True)]
     sources = [

@@ -20,10 +20,10 @@ from torch import nn
 
 from pipelines.errors import UserError
 from pipelines.params import Params, apply_overrides
-from pipelines.runtime import ResolvedPrecision, Runtime
+from pipelines.runtime import Runtime
 from pipelines.train.memory import SavedActivationMeter, parameter_bytes, restored_after, tensor_bytes
 from pipelines.train.optim import build_optimizer
-from pipelines.train.steps import backward_micro_batch, make_scaler, optimizer_step
+from pipelines.train.step import TrainStep, make_scaler
 
 if TYPE_CHECKING:
     from pipelines.tasks.base import Task
@@ -55,13 +55,7 @@ def probe_batch(rows: int, length: int, vocab_size: int, device: torch.device, t
 
 
 def cuda_fits(
-    model: nn.Module,
-    length: int,
-    vocab_size: int,
-    device: torch.device,
-    precision: ResolvedPrecision,
-    params: Params,
-    task: Task,
+    model: nn.Module, length: int, vocab_size: int, runtime: Runtime, params: Params, task: Task
 ) -> Callable[[int], bool]:
     """A probe that runs a full optimizer step of `rows` rows, with the optimizer state already allocated.
 
@@ -70,8 +64,8 @@ def cuda_fits(
     restores the weights afterwards (`pipelines.train.memory.restored_after`): the probe's steps change them.
     """
     lr = params.lr if params.lr != "auto" else 1e-3  # the rate does not change memory
-    optimizer = build_optimizer(params.optim, model, lr, params.weight_decay, device)
-    scaler = make_scaler(precision, device)
+    optimizer = build_optimizer(params.optim, model, lr, params.weight_decay, runtime.device)
+    step = TrainStep(model, optimizer, task, runtime, make_scaler(runtime), params.max_grad_norm)
     if not _step_fits(model, lambda: _materialize_state(model, optimizer)):
         raise UserError(
             "batch_size: auto: the weights, gradients and optimizer state alone do not fit on this GPU; "
@@ -79,9 +73,7 @@ def cuda_fits(
         )
 
     def one_step(rows: int) -> None:
-        batch = probe_batch(rows, length, vocab_size, device, task)
-        backward_micro_batch(model, batch, rows, precision, device, scaler, task)
-        optimizer_step(model, optimizer, scaler, params.max_grad_norm, precision)
+        step([probe_batch(rows, length, vocab_size, runtime.device, task)], rows)
 
     return lambda rows: _step_fits(model, lambda: one_step(rows))
 
@@ -108,25 +100,14 @@ def _step_fits(model: nn.Module, step: Callable[[], None]) -> bool:
 
 
 def cpu_fits(
-    model: nn.Module,
-    length: int,
-    vocab_size: int,
-    precision: ResolvedPrecision,
-    optimizer_factor: float,
-    task: Task,
+    model: nn.Module, length: int, vocab_size: int, runtime: Runtime, optimizer_factor: float, task: Task
 ) -> Callable[[int], bool]:
     """A probe that scales one row's measured activation bytes against a share of the available RAM."""
     meter = SavedActivationMeter()
+    idle = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)  # the probe never steps
+    step = TrainStep(model, idle, task, runtime, make_scaler(runtime, enabled=False), None)
     with meter.measure():
-        backward_micro_batch(
-            model,
-            probe_batch(1, length, vocab_size, torch.device("cpu"), task),
-            1,
-            precision,
-            torch.device("cpu"),
-            torch.amp.GradScaler("cpu", enabled=False),
-            task,
-        )
+        step.backward(probe_batch(1, length, vocab_size, runtime.device, task), 1)
     model.zero_grad(set_to_none=True)
     # Parameters are paid once, whatever the batch; gradients and optimizer state for the trainable ones only.
     trainable = tensor_bytes(p for p in model.parameters() if p.requires_grad)
@@ -140,17 +121,17 @@ def resolve_batch_size(params: Params, model: nn.Module, longest_row: int, runti
     if params.batch_size != "auto":
         return params
     assert params.effective_batch_size is not None  # the schema requires it with auto
-    device, precision = runtime.device, runtime.precision
+    device = runtime.device
     model.to(device).train()
     vocab_size = model.get_input_embeddings().num_embeddings
     if device.type == "cuda":
         with restored_after(model):
-            fits = cuda_fits(model, longest_row, vocab_size, device, precision, params, task)
+            fits = cuda_fits(model, longest_row, vocab_size, runtime, params, task)
             rows = largest_fitting(params.effective_batch_size, fits)
             del fits  # and with it the probe's optimizer state, before the cache is emptied
     else:
         factor = 2.0 if params.optim == "adamw" else 1.0
-        fits = cpu_fits(model, longest_row, vocab_size, precision, optimizer_factor=factor, task=task)
+        fits = cpu_fits(model, longest_row, vocab_size, runtime, optimizer_factor=factor, task=task)
         rows = largest_fitting(params.effective_batch_size, fits)
     return apply_overrides(
         params,

@@ -1,6 +1,6 @@
 """The training loop every trial runs.
 
-Each optimizer step is the three parts in `pipelines.train.steps`. Around them the loop keeps
+Each optimizer step is one call of the trial's `TrainStep` (`pipelines.train.step`). Around it the loop keeps
 one clock per region (`pipelines.train.timing`): the first optimizer step is the warm-up
 (compile, lazy allocations), timed on its own; `train_time_s` is every later step, the same
 region for every strategy; validation, checkpoint writes and setup have their own clocks.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +26,7 @@ from pipelines.data.tokenization import TokenizedSplit
 from pipelines.params import Params
 from pipelines.runtime import ResolvedPrecision, Runtime, resolve_runtime
 from pipelines.train.fast_dropout import FastDropoutUse, fast_dropout
+from pipelines.train.memory_levers import resolve_loss
 from pipelines.train.parallel import uses_fsdp
 from pipelines.train.results import world
 from pipelines.train.trainer import EpochFn, LogFn, Trainer
@@ -63,9 +64,10 @@ def train_model(
     The entry point for callers outside a trial (benchmarks, tests): the runtime is resolved here from `params`,
     then `run_training` trains. `task` defaults to the one `params.task` names.
     """
-    runtime = resolve_runtime(params, device, pad_id, precision)
+    task = task or _named_task(params)
+    runtime = replace(resolve_runtime(params, device, pad_id, precision), loss=resolve_loss(model, params, task))
     return run_training(model, train, validation, params, runtime, on_log=on_log, on_epoch_end=on_epoch_end,
-                        checkpoint_dir=checkpoint_dir, say=say, task=task or _named_task(params))  # fmt: skip
+                        checkpoint_dir=checkpoint_dir, say=say, task=task)  # fmt: skip
 
 
 def run_training(

@@ -15,45 +15,35 @@ import torch
 from torch import nn
 
 from pipelines.data.batching import HOST_COUNTS
-from pipelines.data.loader import eval_batch_rows, make_loader
+from pipelines.data.loader import eval_batch_rows, in_process, make_loader
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.params import Params
-from pipelines.runtime import ResolvedPrecision, autocast_context
+from pipelines.runtime import Runtime, eval_mode
 from pipelines.tasks.base import GenerationProbe, Task
 from pipelines.train.memory import track_step
 
 
-def largest_eval_batch(
-    split: TokenizedSplit, params: Params, task: Task, pad_id: int, pad_multiple: int | None
-) -> dict[str, torch.Tensor]:
-    """The scoring batch of the split's longest rows, as validation batches them (sorted by length)."""
+def largest_eval_batch(split: TokenizedSplit, params: Params, task: Task, runtime: Runtime) -> dict[str, torch.Tensor]:
+    """The scoring batch of the split's longest rows, as validation batches them (sorted by length), on the host."""
     rows = min(eval_batch_rows(params), len(split))
     longest = sorted(np.argsort(split.lengths, kind="stable")[::-1][:rows].tolist())
-    in_process = params.model_copy(update={"num_workers": 0, "persistent_workers": False})
-    loader = make_loader(split, [longest], in_process, pad_id, torch.device("cpu"), pad_multiple, task)
+    loader = make_loader(split, [longest], in_process(params), runtime, task)
     return {k: v for k, v in next(iter(loader)).items() if k not in HOST_COUNTS}
 
 
 def validation_peak(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: dict[str, torch.Tensor],
-    precision: ResolvedPrecision,
-    task: Task,
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], runtime: Runtime, task: Task
 ) -> int:
-    """Peak bytes (MemTracker) of the task's no-grad loss on `batch` with the optimizer state alive, gradients freed."""
+    """Peak bytes (MemTracker) of the task's no-grad loss on `batch` with the optimizer state alive, gradients freed
+    (the plan's fake step: `runtime` on the CPU)."""
     optimizer.zero_grad(set_to_none=True)
-    was_training = model.training
-    model.eval()
-    device = torch.device("cpu")
 
     def forward(_meter: object) -> None:
-        with torch.no_grad(), autocast_context(precision, device):
-            task.loss(model, batch)
+        with torch.no_grad(), runtime.autocast():
+            task.loss(model, batch, runtime.loss)
 
-    peak = track_step(model, optimizer, device, forward).total
-    model.train(was_training)
-    return peak
+    with eval_mode(model):
+        return track_step(model, optimizer, runtime.device, forward).total
 
 
 def grow_cache(cache: object, positions: int) -> None:
@@ -67,22 +57,18 @@ def grow_cache(cache: object, positions: int) -> None:
         layer.values = torch.cat([layer.values, layer.values.new_zeros(shape)], dim=-2)
 
 
-def generation_peak(model: nn.Module, probe: GenerationProbe, precision: ResolvedPrecision) -> int:
+def generation_peak(model: nn.Module, probe: GenerationProbe, runtime: Runtime) -> int:
     """Peak bytes (MemTracker) of generation's prefill, then its last step with the cache at its final length,
     beside the weights alone (the evaluate stage has no optimizer)."""
-    was_training = model.training
-    model.eval()
-    device = torch.device("cpu")
     idle = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
 
     def generate(meter: object) -> None:
-        with torch.no_grad(), autocast_context(precision, device):
+        with torch.no_grad(), runtime.autocast():
             out = model(**probe.prefill)
             meter.tracker.reset_mod_stats()  # type: ignore[attr-defined]  # a second forward follows
             cache = out.past_key_values
             grow_cache(cache, probe.new_tokens)
             model(**probe.step(out, cache))
 
-    peak = track_step(model, idle, device, generate).total
-    model.train(was_training)
-    return peak
+    with eval_mode(model):
+        return track_step(model, idle, runtime.device, generate).total

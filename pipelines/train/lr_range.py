@@ -29,20 +29,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipelines.data.loader import make_loader
+from pipelines.data.loader import in_process, make_loader, to_device
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.params import LrRangeTestParams, Params, apply_overrides
 from pipelines.runtime import Runtime
 from pipelines.tasks.base import Task
 from pipelines.train.optim import build_optimizer
-from pipelines.train.steps import (
-    accumulate_window,
-    make_scaler,
-    optimizer_step,
-    plan_windows,
-    training_sampler,
-    window_units,
-)
+from pipelines.train.step import TrainStep, make_scaler
+from pipelines.train.windows import plan_windows, training_sampler, window_units
 
 
 @dataclass(frozen=True)
@@ -117,7 +111,7 @@ def lr_range_test(
 ) -> LrRangeResult:
     """Run the sweep of `params.lr_range_test` on `train`; the model comes back as it went in."""
     start = time.perf_counter()
-    device, precision = runtime.device, runtime.precision
+    device = runtime.device
     settings = params.lr_range_test
     model.to(device).train()
     trainable = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
@@ -127,10 +121,9 @@ def lr_range_test(
 
     rates = exponential_rates(settings)
     optimizer = build_optimizer(params.optim, model, float(rates[0]), params.weight_decay, device)
-    scaler = make_scaler(precision, device)
+    step = TrainStep(model, optimizer, task, runtime, make_scaler(runtime), params.max_grad_norm)
     sampler = training_sampler(train, params)
     units = task.loss_units(train, params)
-    in_process = params.model_copy(update={"num_workers": 0, "persistent_workers": False})
     windows: list[list[list[int]]] = []
     epoch = 0
     while len(windows) < len(rates):  # a small split repeats its epochs
@@ -144,12 +137,9 @@ def lr_range_test(
         for rate, window in zip(rates, windows, strict=False):
             for group in optimizer.param_groups:
                 group["lr"] = float(rate)
-            loader = iter(make_loader(train, window, in_process, runtime.pad_id, device, runtime.pad_multiple, task))
-            loss, _ = accumulate_window(
-                model, loader, window, precision, device, scaler, None, window_units(window, units), task
-            )
-            optimizer_step(model, optimizer, scaler, params.max_grad_norm, precision)
-            value = float(loss)  # one sync per step: the sweep needs the value to decide whether to stop
+            batches = [to_device(b, device) for b in make_loader(train, window, in_process(params), runtime, task)]
+            outcome = step(batches, window_units(window, units))
+            value = float(outcome.loss)  # one sync per step: the sweep needs the value to decide whether to stop
             lrs.append(float(rate))
             losses.append(value)
             smoothed = smooth(losses, settings.smoothing)

@@ -1,12 +1,14 @@
 """The memory levers that change how a step is computed, never what is trained, applied to a model once per trial:
 activation checkpointing (all blocks, or every n-th), activation offloading, the loss's projection (full or
 chunked), and fused CUDA kernels. The trainer, its warm-up probe and the memory plan all call
-`apply_memory_levers`, so what is planned is what trains.
+`apply_memory_levers`, so what is planned is what trains. Nothing is stored on the model: the offload comes back as
+the context the step opens around its forward, and the loss is resolved into the runtime (`resolve_loss`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import sys
 from collections.abc import Callable
@@ -17,12 +19,12 @@ from torch import nn
 
 from pipelines.errors import UserError
 from pipelines.params import Params
+from pipelines.runtime import FULL_LOSS, LossImpl
 from pipelines.tasks.base import Task
-from pipelines.tasks.linear_ce import chunk_rows_for, chunked_loss_unsupported, set_loss_chunk_rows, unwrapped
+from pipelines.tasks.linear_ce import chunk_rows_for, chunked_loss_unsupported, unwrapped
 
 # `loss_impl: auto` chunks at this vocabulary size and above (Llama-3: 128,256; SmolLM2: 49,152; GPT-2: 50,257).
 CHUNKED_FROM_VOCAB = 32_768
-_OFFLOAD = "_pipelines_offload_activations"
 # The model families Liger-Kernel patches (liger_kernel.transformers' apply_liger_kernel_to_<family>).
 LIGER_MODEL_TYPES = ("llama", "mistral", "mixtral", "gemma", "gemma2", "qwen2", "qwen3", "phi3", "granite", "olmo2")
 
@@ -31,20 +33,20 @@ LIGER_MODEL_TYPES = ("llama", "mistral", "mixtral", "gemma", "gemma2", "qwen2", 
 ContextFn = Callable[[], tuple[AbstractContextManager[object], AbstractContextManager[object]]] | None
 
 
-def resolve_loss_chunk_rows(model: nn.Module, params: Params, task: Task) -> int | None:
-    """Rows per chunk of the loss's projection under `loss_impl`, or None for the full projection."""
+def resolve_loss(model: nn.Module, params: Params, task: Task) -> LossImpl:
+    """The loss's projection under `loss_impl` for this (adapted) model: full, or chunked with its rows per chunk."""
     if params.loss_impl == "full" or not task.projects_vocabulary:
-        return None
+        return FULL_LOSS
     why_not = chunked_loss_unsupported(model)
     if params.loss_impl == "chunked":
         if why_not is not None:
             raise UserError(f"loss_impl: chunked: {why_not}; use loss_impl: auto or full")
     elif why_not is not None or params.compile or params.distributed.strategy == "fsdp":
-        return None
+        return FULL_LOSS
     vocab = unwrapped(model).get_output_embeddings().out_features
     if params.loss_impl == "auto" and vocab < CHUNKED_FROM_VOCAB:
-        return None
-    return chunk_rows_for(vocab)
+        return FULL_LOSS
+    return LossImpl(chunk_rows_for(vocab))
 
 
 def _enable_checkpointing(model: nn.Module, params: Params, offload: bool, recompute_context: ContextFn) -> None:
@@ -92,14 +94,18 @@ def _apply_kernels(model: nn.Module, params: Params, device: torch.device) -> No
             setattr(modeling, name, value)
 
 
+OffloadContext = Callable[[], AbstractContextManager[object]]
+
+
 def apply_memory_levers(
-    model: nn.Module, params: Params, task: Task, device: torch.device, *, planning: bool = False,
+    model: nn.Module, params: Params, device: torch.device, *, planning: bool = False,
     recompute_context: ContextFn = None,
-) -> None:  # fmt: skip
-    """Checkpointing, offloading, the loss's projection and kernels, as the params ask, on `model` in place.
+) -> OffloadContext:  # fmt: skip
+    """Checkpointing and kernels, as the params ask, on `model` in place; the activation offload's context, which
+    the step (`pipelines.train.step.TrainStep.offload`) opens around every forward.
 
     `device` is where the trial trains. `planning`: the memory plan's fake step on the CPU, where offloading is
-    modelled (`offloading`) rather than run, and kernels are not swapped in (Triton does not trace on fake
+    modelled (`offload_context`) rather than run, and kernels are not swapped in (Triton does not trace on fake
     CPU tensors; the plan counts the model's own ops, an upper bound for Liger's fused ones).
     `recompute_context`: torch checkpoint's `context_fn` (a GPU target's plan re-enters its rules in the recompute,
     which runs in backward, outside the forward's torch-function modes).
@@ -114,10 +120,9 @@ def apply_memory_levers(
     # Without checkpointing, offload every tensor autograd saves (torch's save_on_cpu around the forward); the
     # plan models either form by keeping saved tensors out of device memory until backward reads them.
     mode = "plan" if offload and planning else "host" if offload and not params.grad_checkpointing else None
-    setattr(unwrapped(model), _OFFLOAD, mode)
-    set_loss_chunk_rows(model, resolve_loss_chunk_rows(model, params, task))
     if not planning:
         _apply_kernels(model, params, device)
+    return functools.partial(offload_context, mode)
 
 
 def _off_device(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.device]:
@@ -129,9 +134,9 @@ def _back_on_device(packed: tuple[torch.Tensor, torch.device]) -> torch.Tensor:
     return torch.empty_like(meta, device=device)  # the host-to-device copy backward allocates
 
 
-def offloading(model: nn.Module) -> AbstractContextManager[object]:
-    """Around a forward: saved tensors go to pinned host memory (`activation_offload`; see `apply_memory_levers`)."""
-    mode = getattr(unwrapped(model), _OFFLOAD, None)
+def offload_context(mode: str | None) -> AbstractContextManager[object]:
+    """Around a forward: saved tensors go to pinned host memory (`host`), are modelled off the device (`plan`), or
+    stay (None); see `apply_memory_levers`."""
     if mode == "host":
         return torch.autograd.graph.save_on_cpu(pin_memory=True)
     if mode == "plan":

@@ -13,7 +13,7 @@ import torch
 
 from pipelines.errors import UserError
 from pipelines.train.checkpoint import LoopState
-from pipelines.train.steps import halve_windows
+from pipelines.train.windows import halve_windows
 
 # Out-of-memory errors that training recovers from by halving micro-batches.
 OUT_OF_MEMORY: tuple[type[BaseException], ...] = (torch.cuda.OutOfMemoryError,)

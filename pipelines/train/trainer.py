@@ -1,7 +1,8 @@
 """The training loop as a small trainer: set up, measure, then epochs of steps, validation and checkpoints.
 
-`Trainer.run` reads like nanoGPT's loop: for each epoch, for each accumulation window, one `step` (with the
-out-of-memory retry around it), then `after_step` (counters, schedule, clocks, log point, checkpoint); at
+`Trainer.run` reads like nanoGPT's loop: for each epoch, for each accumulation window, fetch its batches, then one
+call of the trial's `TrainStep` (`pipelines.train.step`; the out-of-memory retry around it), then `after_step`
+(counters, schedule, clocks, log point, checkpoint); at
 the epoch's end, `end_epoch` (validation, per-epoch schedule, checkpoint, callback). The clocks and the CUDA
 peaks are paused around everything that is not training.
 """
@@ -12,13 +13,14 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from pipelines.data.loader import make_loader
+from pipelines.data.loader import in_process, make_loader, to_device
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.params import Params
@@ -30,17 +32,17 @@ from pipelines.train.optim import build_optimizer, build_scheduler, create_fresh
 from pipelines.train.out_of_memory import OUT_OF_MEMORY, recover_from_out_of_memory
 from pipelines.train.parallel import gather_full_weights, replicate, shard, uses_fsdp
 from pipelines.train.results import all_reduce, final_metrics, reduce_final_metrics, world
-from pipelines.train.steps import (
-    accumulate_window,
+from pipelines.train.step import StepOutcome, TrainStep, make_scaler
+from pipelines.train.timing import StepClock, timed
+from pipelines.train.validation import evaluate_split
+from pipelines.train.windows import (
+    WindowCounts,
+    fetch_window,
     global_window_rows,
-    make_scaler,
-    optimizer_step,
     plan_windows,
     training_sampler,
     window_units,
 )
-from pipelines.train.timing import StepClock, timed
-from pipelines.train.validation import evaluate_split
 
 if TYPE_CHECKING:
     from pipelines.tasks.base import Task
@@ -52,6 +54,16 @@ EpochFn = Callable[[int, int, dict[str, float]], None]  # (epoch, optimizer step
 
 class NonFiniteLoss(UserError):
     """Training diverged: the loss stayed NaN or infinite for too many steps."""
+
+
+@dataclass(frozen=True)
+class WindowStep:
+    """One window's step as the loop sees it: the step's outcome, what its batches held, and whether it was the
+    (untimed) warm-up."""
+
+    outcome: StepOutcome
+    counts: WindowCounts
+    warmup: bool
 
 
 def current_lr(optimizer: torch.optim.Optimizer) -> float:
@@ -77,12 +89,11 @@ class Trainer:
         task: Task,
     ) -> None:
         self.train, self.validation, self.params, self.runtime = train, validation, params, runtime
-        self.device, self.precision, self.pad_id = runtime.device, runtime.precision, runtime.pad_id
-        self.pad_multiple, self.task, self.say = runtime.pad_multiple, task, say
+        self.device, self.task, self.say = runtime.device, task, say
         self.on_log, self.on_epoch_end, self.checkpoint_dir = on_log, on_epoch_end, checkpoint_dir
         device, precision = runtime.device, runtime.precision
         model.train()
-        apply_memory_levers(model, params, task, device)  # checkpointing, offloading, the loss, kernels
+        offload = apply_memory_levers(model, params, device)  # checkpointing and kernels; the offload's context
         runtime.apply()
         self.rank, self.world_size = world()
         self.fsdp = uses_fsdp(params, self.world_size)
@@ -102,7 +113,10 @@ class Trainer:
         self.optimizer = build_optimizer(params.optim, self.model, params.lr, params.weight_decay, device)
         warmup_steps = int(params.warmup_ratio * self.total_steps)
         self.scheduler = build_scheduler(params.lr_schedule, self.optimizer, params.lr, self.total_steps, warmup_steps)
-        self.scaler = make_scaler(precision, device)
+        self.scaler = make_scaler(runtime)
+        # The step, built once: the loop, the warm-up probe and the memory probe all run this object.
+        self.train_step = TrainStep(self.model, self.optimizer, task, runtime, self.scaler, params.max_grad_norm,
+                                    offload)  # fmt: skip
         self.per_epoch_schedule = params.lr_schedule == "reduce_on_plateau"
         self.units = task.loss_units(train, params)  # per row: what a window's mean loss divides by
 
@@ -137,11 +151,12 @@ class Trainer:
                 self.state = restore(payload, self.model, self.optimizer, self.scheduler, self.scaler)
         if memory is not None:
             self.state.memory = memory.as_metrics()
-        self.forward_model: nn.Module = self.model
+        forward: nn.Module = self.model  # the step runs its forward through the DDP replica, compiled when asked
         if self.world_size > 1 and not self.fsdp:
-            self.forward_model = replicate(self.model, self.device)
+            forward = replicate(self.model, self.device)
         if self.params.compile:
-            self.forward_model = torch.compile(self.forward_model)
+            forward = torch.compile(forward)
+        self.train_step = self.train_step.through(forward)
         self.clocks = self.state.clocks
         self.clocks["setup_time_s"] = self.clocks.get("setup_time_s", 0.0) + time.perf_counter() - setup_start
         self.clock = StepClock(self.device, self.clocks, self.state.step_times)
@@ -157,19 +172,12 @@ class Trainer:
     def measure_memory(self) -> MemoryAtPeak | None:
         """Peak training memory and its breakdown from two runs of the first window; the weights are then put back."""
         first_window = plan_windows(self.sampler.batches(0), self.params.grad_accum_steps)[0]  # the longest batch
-        in_process = self.params.model_copy(update={"num_workers": 0, "persistent_workers": False})
         # Collated once, run twice by the probe (untracked, then tracked).
-        batches = list(
-            make_loader(self.train, first_window, in_process, self.pad_id, self.device, self.pad_multiple, self.task)
-        )
-
-        def probe_window(meter: object) -> None:
-            first_units = window_units(first_window, self.units)
-            accumulate_window(self.model, iter(batches), first_window, self.precision, self.device, self.scaler,
-                              meter, first_units, self.task)  # fmt: skip
-            optimizer_step(self.model, self.optimizer, self.scaler, self.params.max_grad_norm, self.precision)
-
-        return _measure_memory(self.model, self.optimizer, self.scaler, probe_window, self.device, self.say)
+        loader = make_loader(self.train, first_window, in_process(self.params), self.runtime, self.task)
+        batches = [to_device(batch, self.device) for batch in loader]
+        units = window_units(first_window, self.units)
+        return _measure_memory(self.model, self.optimizer, self.scaler,
+                               lambda meter: self.train_step(batches, units, meter), self.device, self.say)  # fmt: skip
 
     def epoch(self) -> None:
         """One epoch's windows, resumed mid-epoch when the state says so, then its end."""
@@ -186,53 +194,57 @@ class Trainer:
             if loader is None:
                 # Resuming mid-epoch: the window plan is deterministic, so skip the windows already done.
                 remaining = [batch for window in windows[state.window :] for batch in window]
-                loader = iter(make_loader(self.train, remaining, params, self.pad_id, self.device,
-                                          self.pad_multiple, self.task))  # fmt: skip
-            outcome = self.step(loader, windows[state.window], divisors[state.window])
+                loader = iter(make_loader(self.train, remaining, params, self.runtime, self.task))
+            outcome = self.step(loader, len(windows[state.window]), divisors[state.window])
             if outcome is None:  # out of memory: the step's frames are gone, so its activations can be freed
                 windows = recover_from_out_of_memory(self.optimizer, windows, state, self.device, self.world_size,
                                                      self.say)  # fmt: skip
                 loader = None
                 continue
-            self.after_step(epoch, *outcome)
+            self.after_step(epoch, outcome)
         self.end_epoch(epoch)
 
-    def step(self, loader: Iterator[Any], window: list[list[int]], divisor: float) -> tuple[Any, ...] | None:
-        """One optimizer step over `window`: (window loss, counts, skipped flag, warm-up?), or None out of memory."""
+    def step(self, loader: Iterator[Any], micro_batches: int, divisor: float) -> WindowStep | None:
+        """Fetch the next window's batches and run the step on them; None when it ran out of memory."""
         warmup = self.state.step == 0
         region = timed(self.device, self.clocks, "warmup_time_s") if warmup else nullcontext()
         if not warmup:
             self.resume_training()
-        outcome: list[Any] = []
-
-        def run(meter: object) -> None:
-            window_loss, counts = accumulate_window(self.forward_model, loader, window, self.precision, self.device,
-                                                    self.scaler, meter, divisor, self.task)  # fmt: skip
-            if warmup:
-                self.state.peak_grad_bytes = gradient_bytes(self.model)
-            skipped = optimizer_step(self.model, self.optimizer, self.scaler, self.params.max_grad_norm,
-                                     self.precision)  # fmt: skip
-            outcome.extend((window_loss, counts, skipped, warmup))
-
         try:
             with region:
+                batches, counts = fetch_window(loader, micro_batches, self.device)
                 if warmup and self.track_warmup:  # the probe: this step, under the tracker (see `start`)
-                    self.state.memory = track_step(self.model, self.optimizer, self.device, run).as_metrics()
+                    outcome = self.tracked_warmup_step(batches, divisor)
+                elif warmup:
+                    outcome = self.warmup_step(batches, divisor)
                 else:
-                    run(None)
+                    outcome = self.train_step(batches, divisor)
         except OUT_OF_MEMORY:
             return None
-        return tuple(outcome)
+        return WindowStep(outcome, counts, warmup)
 
-    def after_step(
-        self, epoch: int, window_loss: torch.Tensor, counts: Any, skipped: torch.Tensor, warmup: bool
-    ) -> None:
+    def tracked_warmup_step(self, batches: list[dict[str, torch.Tensor]], divisor: float) -> StepOutcome:
+        """The warm-up step under PyTorch's MemTracker: the trial's memory measurement (see `start`)."""
+        outcomes: list[StepOutcome] = []
+        memory = track_step(self.model, self.optimizer, self.device,
+                            lambda meter: outcomes.append(self.warmup_step(batches, divisor, meter)))  # fmt: skip
+        self.state.memory = memory.as_metrics()
+        return outcomes[0]
+
+    def warmup_step(self, batches: list[dict[str, torch.Tensor]], divisor: float, meter: object = None) -> StepOutcome:
+        """The first step, its gradients' bytes read between backward and the update (the only time they all live)."""
+        loss = self.train_step.accumulate(batches, divisor, meter)
+        self.state.peak_grad_bytes = gradient_bytes(self.model)
+        return StepOutcome(loss, self.train_step.update())
+
+    def after_step(self, epoch: int, done: WindowStep) -> None:
         """Count the step (on the device), step the schedule and clocks, log every few steps, checkpoint."""
         state, params, counters = self.state, self.params, self.counters
+        window_loss, counts, warmup = done.outcome.loss, done.counts, done.warmup
         finite = torch.isfinite(window_loss)
         counters[0] = torch.where(finite, 0, counters[0] + 1)
         counters[1] += (~finite).long()
-        counters[2] += skipped.to(counters.device).long()
+        counters[2] += done.outcome.skipped.to(counters.device).long()
         self.logged_loss += torch.where(finite, window_loss, 0.0)  # keep the curve readable
         if not self.per_epoch_schedule:
             self.scheduler.step()
@@ -265,8 +277,7 @@ class Trainer:
         self.pause_training()
         if self.validation is not None:
             with timed(self.device, self.clocks, "val_time_s"):
-                state.val_metrics = evaluate_split(self.model, self.validation, self.params, self.pad_id, self.device,
-                                                   self.precision, self.task)  # fmt: skip
+                state.val_metrics = evaluate_split(self.model, self.validation, self.params, self.runtime, self.task)
         if self.per_epoch_schedule:
             # On the validation loss; without validation, on the epoch's last logged training loss.
             last_train = state.history[-1]["loss"] if state.history else 0.0

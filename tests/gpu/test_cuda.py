@@ -17,11 +17,11 @@ from transformers import BertConfig, BertForSequenceClassification
 
 from pipelines.data.loader import make_loader, to_device
 from pipelines.data.tokenization import TokenizedSplit
-from pipelines.runtime import resolve_runtime
+from pipelines.runtime import Runtime, resolve_runtime
 from pipelines.tasks import get_task
 from pipelines.train import batch_size as auto
 from pipelines.train.engine import train_model
-from pipelines.train.steps import make_scaler, optimizer_step
+from pipelines.train.step import TrainStep, make_scaler
 from tests.conftest import tiny_params
 from tests.pipelines.train.helpers import tiny_split
 
@@ -97,12 +97,15 @@ def test_fp16_with_the_grad_scaler_matches_fp32_and_bf16_stays_close(default_par
 def test_fp16_skips_a_step_whose_gradients_overflow_and_backs_off_the_scale():
     model = bert().to(CUDA)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scaler = make_scaler("fp16", CUDA)
+    step = TrainStep(
+        model, optimizer, None, Runtime(CUDA, "fp16", False, 8, 0), make_scaler(Runtime(CUDA, "fp16", False, 8, 0)), 1.0
+    )  # type: ignore[arg-type]
+    scaler = step.scaler
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ids = torch.randint(10, 100, (4, 16), device=CUDA)
     scaler.scale(model(input_ids=ids).logits.float().sum()).backward()
     model.classifier.weight.grad.view(-1)[0] = float("inf")  # an overflow in one gradient
-    skipped = optimizer_step(model, optimizer, scaler, 1.0, "fp16")
+    skipped = step.update()
     assert bool(skipped) and scaler.get_scale() == 2.0**15
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "the step was not applied"
 
@@ -139,7 +142,8 @@ def test_a_real_out_of_memory_halves_micro_batches_keeps_the_effective_batch_and
 def test_batches_are_pinned_and_copied_without_blocking(default_params):
     params = cuda_params(default_params, pin_memory=True)
     split = tiny_split(rows=64, seed=1)
-    loader = make_loader(split, [list(range(16))], params, 0, CUDA, 8, get_task("classification"))
+    runtime = Runtime(CUDA, "fp32", False, 8, 0)
+    loader = make_loader(split, [list(range(16))], params, runtime, get_task("classification"))
     assert loader.pin_memory
     host = next(iter(loader))
     assert all(t.is_pinned() for t in host.values())

@@ -105,3 +105,45 @@ def test_readme_is_a_newcomer_size_and_links_only_pages_that_exist():
     for page in [REPO_ROOT / "README.md", *(REPO_ROOT / "docs").rglob("*.md")]:
         for link in re.findall(r"\]\(([^)#]+\.md)\)", page.read_text(encoding="utf-8")):
             assert (page.parent / link).is_file(), f"{page.relative_to(REPO_ROOT)} links {link}, which does not exist"
+
+
+STEP_USERS = (
+    "pipelines.train.trainer",  # the loop and its warm-up / memory probe
+    "pipelines.train.lr_range",  # the LR range test
+    "pipelines.train.batch_size",  # the batch-size probe
+    "pipelines.resolve.memory_plan",  # the plan's fake step
+)
+
+
+def test_the_step_is_built_in_one_module_and_every_caller_runs_it():
+    """`TrainStep` (pipelines/train/step.py) is the only place a step is assembled: nobody else scales a loss,
+    unscales, clips or steps an optimizer, and the loop, the probes and the plan all build the step object."""
+    assembling = ("scaler.scale(", ".unscale_(", "clip_grad_norm_(", "scaler.step(")
+    for module in all_modules():
+        if not module.startswith("pipelines.") or module == "pipelines.train.step":
+            continue
+        source = module_file(module).read_text(encoding="utf-8")
+        found = [call for call in assembling if call in source]
+        assert found == [], f"{module} assembles part of a step ({found}); use pipelines.train.step.TrainStep"
+    for module in STEP_USERS:
+        assert "TrainStep(" in module_file(module).read_text(encoding="utf-8"), f"{module} does not build the step"
+
+
+def test_no_private_attribute_is_set_on_a_model():
+    """Settings travel as arguments (the runtime, the loss, the offload context), never as `_name` attributes."""
+    offenders = []
+    for module in all_modules():
+        if not module.startswith("pipelines."):
+            continue
+        for node in ast.walk(parsed(module)):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and len(node.args) >= 2:
+                name = node.args[1]
+                if isinstance(name, ast.Constant) and str(name.value).startswith("_"):
+                    offenders.append(f"{module}:{node.lineno}")
+                elif isinstance(name, ast.Name) and name.id.isupper():  # a module constant naming an attribute
+                    offenders.append(f"{module}:{node.lineno}")
+            if isinstance(node, ast.Assign):
+                for target in node.targets:
+                    if isinstance(target, ast.Attribute) and target.attr.startswith("_pipelines"):
+                        offenders.append(f"{module}:{node.lineno}")
+    assert offenders == []

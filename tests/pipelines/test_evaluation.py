@@ -7,7 +7,7 @@ import torch
 
 from pipelines.tasks import get_task
 from pipelines.tasks.classification_scoring import confusion_rows, evaluate_model, score
-from tests.pipelines.train.helpers import tiny_model, tiny_split
+from tests.pipelines.train.helpers import cpu_runtime, tiny_model, tiny_split
 
 
 def test_each_prediction_matches_a_single_row_forward_pass(default_params):
@@ -18,10 +18,8 @@ def test_each_prediction_matches_a_single_row_forward_pass(default_params):
         split,
         ["a", "b", "c"],
         default_params,
-        pad_id=0,
-        device=torch.device("cpu"),
-        precision="fp32",
-        task=get_task("classification"),
+        cpu_runtime(),
+        get_task("classification"),
     )
     offsets = split.offsets
     with torch.inference_mode():

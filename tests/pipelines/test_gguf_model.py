@@ -31,6 +31,7 @@ def test_gguf_model_loads_dequantized_trains_under_the_trainer_check_and_saves_c
     from pipelines.data.tokenization import load_pretrained_tokenizer
     from pipelines.tasks import get_task
     from pipelines.tasks.generation import generate_answers
+    from tests.pipelines.train.helpers import cpu_runtime
 
     folder = smollm2_folder()
     params = tiny_params(
@@ -54,7 +55,7 @@ def test_gguf_model_loads_dequantized_trains_under_the_trainer_check_and_saves_c
     chat = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
     prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     ids = tokenizer(prompt, add_special_tokens=False, return_tensors="np")["input_ids"][0]
-    answer = generate_answers(model, tokenizer, [ids], params, torch.device("cpu"), "fp32")[0]
+    answer = generate_answers(model, tokenizer, [ids], params, cpu_runtime(pad_id=tokenizer.pad_token_id))[0]
     assert "Paris" in answer, answer
 
     model.save_pretrained(tmp_path / "saved")

@@ -3,6 +3,7 @@ selective checkpointing, their plans against the measured peak, and the CUDA-onl
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -15,17 +16,17 @@ from pipelines.errors import UserError
 from pipelines.params import ParamsError
 from pipelines.resolve.budget import choose_strategy
 from pipelines.resolve.memory_plan import plan_memory
+from pipelines.runtime import LossImpl
 from pipelines.tasks import get_task
-from pipelines.tasks.linear_ce import loss_chunk_rows, set_loss_chunk_rows
 from pipelines.train.engine import train_model
 from pipelines.train.eval_memory import largest_eval_batch, validation_peak
-from pipelines.train.memory_levers import apply_memory_levers
+from pipelines.train.memory_levers import apply_memory_levers, resolve_loss
 from pipelines.train.optim import build_optimizer
-from pipelines.train.steps import backward_micro_batch, make_scaler
 from tests.conftest import tiny_params
 from tests.pipelines.tasks.test_causal_lm import WordTokenizer, lm_params, lm_split
 from tests.pipelines.tasks.test_seq2seq import WordTokenizer as S2STokenizer
 from tests.pipelines.tasks.test_seq2seq import s2s_params, s2s_split
+from tests.pipelines.train.helpers import cpu_runtime, cpu_step
 
 CPU = torch.device("cpu")
 VOCAB = 40_000  # above CHUNKED_FROM_VOCAB: loss_impl auto chunks it
@@ -49,9 +50,12 @@ def long_rows(rows: int, length: int) -> TokenizedSplit:
     return TokenizedSplit(ids.astype(np.int32), lengths, prompt_lengths=prompts)
 
 
-def one_backward(model, task, batch):
+def one_backward(model, task, batch, loss_impl=None):
     model.zero_grad(set_to_none=True)
-    loss = backward_micro_batch(model, batch, 1.0, "fp32", CPU, make_scaler("fp32", CPU), task)
+    step = cpu_step(model, task)
+    if loss_impl is not None:
+        step = replace(step, runtime=replace(step.runtime, loss=loss_impl))
+    loss = step.backward(batch, 1.0)
     return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -66,11 +70,10 @@ def test_chunked_loss_has_the_full_losss_value_and_gradients(default_params, tas
     else:
         params = s2s_params(default_params)
         model, split = task.build_model(params, S2STokenizer(500), Path("."), Path(".")), s2s_split(rows=6)
-    batch = next(iter(make_loader(split, [list(range(len(split)))], params, 0, CPU, 1, task)))
+    batch = next(iter(make_loader(split, [list(range(len(split)))], params, cpu_runtime(), task)))
     batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
     full_loss, full_grads = one_backward(model, task, batch)
-    set_loss_chunk_rows(model, 5)  # several chunks, the last one short
-    chunked_loss, chunked_grads = one_backward(model, task, batch)
+    chunked_loss, chunked_grads = one_backward(model, task, batch, LossImpl(5))  # several chunks, the last short
     assert chunked_loss.item() == pytest.approx(full_loss.item(), rel=1e-5)
     assert full_grads.keys() == chunked_grads.keys()
     for name, grad in full_grads.items():  # 1e-5 of each tensor's largest gradient: fp32 sums in another order
@@ -111,11 +114,11 @@ def test_loss_impl_auto_chunks_a_large_vocabulary_only(default_params):
     params, task, build = llama(default_params)
     assert params.loss_impl == "auto"
     model = build()
-    apply_memory_levers(model, params, task, CPU)
-    assert loss_chunk_rows(model) == 16 * 1024 * 1024 // (4 * VOCAB)
+    assert resolve_loss(model, params, task).chunk_rows == 16 * 1024 * 1024 // (4 * VOCAB)
     small = get_task("causal_lm").build_model(params, WordTokenizer(120), Path("."), Path("."))
-    apply_memory_levers(small, params, task, CPU)
-    assert loss_chunk_rows(small) is None  # a 120-word vocabulary's logits are small: full is faster
+    assert (
+        resolve_loss(small, params, task).chunk_rows is None
+    )  # a 120-word vocabulary's logits are small: full is faster
     classifier_params = tiny_params(default_params, loss_impl="auto")
     assert not get_task(classifier_params.task).projects_vocabulary
 
@@ -126,7 +129,7 @@ def test_chunked_is_refused_where_the_model_changes_logits_after_its_head(defaul
     model.config.final_logit_softcapping = 30.0  # as Gemma-2 does
     with pytest.raises(UserError, match=r"loss_impl: chunked: LlamaForCausalLM transforms its logits after the "
                                         r"projection \(final_logit_softcapping\)"):  # fmt: skip
-        apply_memory_levers(model, params, task, CPU)
+        resolve_loss(model, params, task)
 
 
 @pytest.mark.parametrize(
@@ -148,10 +151,10 @@ def test_bad_lever_settings_are_refused_naming_the_key(default_params, overrides
 def test_cuda_only_levers_are_refused_when_auto_resolves_to_the_cpu(default_params):
     params, task, build = llama(default_params, activation_offload=True)
     with pytest.raises(UserError, match="activation_offload: true .* this trial trains on cpu"):
-        apply_memory_levers(build(), params, task, CPU)
+        apply_memory_levers(build(), params, CPU)
     params, task, build = llama(default_params, kernels="liger")
     with pytest.raises(UserError, match="kernels: liger needs CUDA"):
-        apply_memory_levers(build(), params, task, CPU)
+        apply_memory_levers(build(), params, CPU)
 
 
 def test_strategy_auto_picks_selective_checkpointing_when_it_is_the_fastest_that_fits(default_params):
@@ -181,12 +184,13 @@ def test_validation_memory_is_planned_within_10_percent(default_params, loss_imp
     plan = plan_memory(params, task, train, build, lambda model: model, 0, "fp32")
     torch.manual_seed(params.seed)
     model = build()
-    apply_memory_levers(model, params, task, CPU)
+    apply_memory_levers(model, params, CPU)
+    runtime = replace(cpu_runtime(), loss=resolve_loss(model, params, task))
     optimizer = build_optimizer(params.optim, model, 1e-3, 0.0, CPU)
-    batch = largest_eval_batch(train, params, task, 0, None)
-    backward_micro_batch(model, batch, 1.0, "fp32", CPU, make_scaler("fp32", CPU), task)
+    batch = largest_eval_batch(train, params, task, runtime)
+    replace(cpu_step(model, task, optimizer=optimizer), runtime=runtime).backward(batch, 1.0)
     optimizer.step()  # the state exists, as at an epoch's end
-    measured = validation_peak(model, optimizer, batch, "fp32", task)
+    measured = validation_peak(model, optimizer, batch, runtime, task)
     assert abs(plan.eval_peak / measured - 1) <= PLAN_TOLERANCE, (plan.eval_peak, measured)
     if loss_impl == "full":
         assert plan.eval_peak > plan.peak  # the logits of 32 rows x the vocabulary, all at once

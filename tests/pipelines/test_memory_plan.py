@@ -106,7 +106,7 @@ def test_a_run_that_cannot_be_planned_trains_without_a_plan_and_says_why_in_one_
     class MaskedLoss(type(seq2seq)):
         """Selects its targets by a boolean mask: a data-dependent shape fake tensors cannot size."""
 
-        def loss(self, model, batch):
+        def loss(self, model, batch, loss_impl=None):
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                            labels=batch["labels"]).logits  # fmt: skip
             targets = batch["labels"] != IGNORE

@@ -60,5 +60,5 @@ def test_the_runtime_is_resolved_once_frozen_and_what_the_engine_reports(default
     result = train_model(tiny_model(), tiny_split(rows=64), None, params, pad_id=0, device=CPU, precision="fp32",
                          say=lambda _: None)  # fmt: skip
     assert {k: result.notes[k] for k in runtime.notes()} == runtime.notes() == {
-        "tf32.resolved": "false", "pad_to_multiple_of.resolved": "None",
+        "tf32.resolved": "false", "pad_to_multiple_of.resolved": "None", "loss_impl.resolved": "full",
     }  # fmt: skip

@@ -17,8 +17,9 @@ from pipelines.params import Params
 from pipelines.tasks import get_task
 from pipelines.tasks.causal_lm import IGNORE, CausalLmCollator, mask_labels, target_counts, with_targets
 from pipelines.train.engine import train_model
-from pipelines.train.steps import accumulate_window, window_units
+from pipelines.train.windows import window_units
 from tests.conftest import tiny_params
+from tests.pipelines.train.helpers import cpu_runtime, cpu_step
 
 CPU = torch.device("cpu")
 TASK = get_task("causal_lm")
@@ -70,12 +71,12 @@ def test_k_micro_batches_equal_one_batch_of_their_rows(default_params):
     collate = CausalLmCollator(split, 0, train_on_prompt=False, fixed_length=None, pad_to_multiple_of=None)
     torch.manual_seed(0)
     model = TASK.build_model(params, WordTokenizer(), Path("."), Path("."))
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    step = cpu_step(model, TASK, scaler=False)
 
     def run(window: list[list[int]]) -> dict[str, torch.Tensor]:
         model.zero_grad(set_to_none=True)
         loader = iter(collate(batch) for batch in window)
-        accumulate_window(model, loader, window, "fp32", CPU, scaler, None, window_units(window, units), TASK)
+        step.accumulate(list(loader), window_units(window, units))
         return gradients(model)
 
     one = run([list(range(12))])
@@ -193,7 +194,7 @@ def test_saved_model_reloads_and_answers_the_same(default_params, tmp_path, merg
         model.save_pretrained(out / BASE_DIR)
     model = apply_adapter(model, params.adapter, TASK)
     train_model(model, train, None, params, pad_id=tokenizer.pad_token_id, device=CPU, precision="fp32")
-    before = TASK.evaluate(model, tokenizer, test, tokenized, params, CPU, "fp32")
+    before = TASK.evaluate(model, tokenizer, test, tokenized, params, cpu_runtime(pad_id=tokenizer.pad_token_id))
     save_trained(model, out, params)
     tokenizer.save_pretrained(out)
     (out / "params.json").write_text(json.dumps(params.model_dump(mode="json")))

@@ -17,8 +17,9 @@ from pipelines.model import set_attention
 from pipelines.params import Params
 from pipelines.tasks.causal_lm import CausalLmCollator
 from pipelines.train.engine import train_model
-from pipelines.train.steps import accumulate_window, window_units
+from pipelines.train.windows import window_units
 from tests.pipelines.tasks.test_causal_lm import CPU, TASK, WordTokenizer, gradients, lm_params, lm_split
+from tests.pipelines.train.helpers import cpu_step
 
 # fp32 sums over ~100 target tokens, reduced in a different order (one long row vs several short ones).
 RTOL = 1e-5
@@ -54,15 +55,15 @@ def test_packed_and_unpacked_give_the_same_loss_and_gradients(
     torch.manual_seed(0)
     model = set_attention(TASK.build_model(params, WordTokenizer(), Path("."), Path(".")), params.model)
     assert model.config._attn_implementation == attention
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    step = cpu_step(model, TASK, scaler=False)
 
     def run(rows: TokenizedSplit, window: list[list[int]]) -> tuple[float, dict[str, torch.Tensor]]:
         collate = TASK.collator(rows, 0, fixed_length=None, pad_to_multiple_of=None, params=params)
         model.zero_grad(set_to_none=True)
         units = window_units(window, TASK.loss_units(rows, params))
-        loss, counts = accumulate_window(model, iter(collate(b) for b in window), window, "fp32", CPU, scaler, None,
-                                         units, TASK)  # fmt: skip
-        assert counts.rows == len(split)  # examples, not packs
+        batches = [collate(b) for b in window]
+        loss = step.accumulate(batches, units)
+        assert sum(int(b["num_rows"]) for b in batches) == len(split)  # examples, not packs
         return float(loss), gradients(model)
 
     unpacked_loss, unpacked_grads = run(split, [list(range(len(split)))])

@@ -14,8 +14,9 @@ from pipelines.tasks import get_task
 from pipelines.tasks.causal_lm import IGNORE
 from pipelines.tasks.seq2seq import Seq2SeqCollator, generation_metrics
 from pipelines.train.engine import train_model
-from pipelines.train.steps import accumulate_window, window_units
+from pipelines.train.windows import window_units
 from tests.conftest import tiny_params
+from tests.pipelines.train.helpers import cpu_runtime, cpu_step
 
 CPU = torch.device("cpu")
 TASK = get_task("seq2seq")
@@ -79,12 +80,12 @@ def test_k_micro_batches_equal_one_batch_of_their_rows(default_params):
     collate = TASK.collator(split, 0, fixed_length=None, pad_to_multiple_of=None, params=params)
     torch.manual_seed(0)
     model = TASK.build_model(params, WordTokenizer(), Path("."), Path("."))
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    step = cpu_step(model, TASK, scaler=False)
 
     def gradients(window: list[list[int]]) -> dict[str, torch.Tensor]:
         model.zero_grad(set_to_none=True)
         loader = iter(collate(batch) for batch in window)
-        accumulate_window(model, loader, window, "fp32", CPU, scaler, None, window_units(window, units), TASK)
+        step.accumulate(list(loader), window_units(window, units))
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     one = gradients([list(range(12))])
@@ -118,7 +119,7 @@ def test_seq2seq_trains_on_the_generated_corpus_and_scores_its_translations(defa
     result = train_model(model, train, test, params, pad_id=tokenizer.pad_token_id, device=CPU, precision="fp32")
     assert result.history[-1]["loss"] < result.history[0]["loss"]
     assert 0.0 <= result.metrics["padding_fraction"] < 1.0  # of encoder and decoder positions (was -0.96)
-    scored = TASK.evaluate(model, tokenizer, test, Path("."), params, CPU, "fp32")
+    scored = TASK.evaluate(model, tokenizer, test, Path("."), params, cpu_runtime(pad_id=tokenizer.pad_token_id))
     for name in ("test_bleu", "test_chrf", "test_exact_match", "test_perplexity", "test_token_accuracy"):
         assert np.isfinite(scored.metrics[name]), name
     assert list(scored.predictions.columns) == ["row_id", "source", "reference", "generated", "exact_match"]

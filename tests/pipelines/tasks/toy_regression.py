@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from pipelines.data.loader import eval_batches
+from pipelines.data.loader import score_batches
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.params import Params
-from pipelines.runtime import ResolvedPrecision, autocast_context
+from pipelines.runtime import Runtime
 from pipelines.tasks.base import QualityMetric
 from pipelines.tasks.classification import ClassificationTask
 
@@ -28,21 +28,23 @@ class RegressionTask(ClassificationTask):
     quality = (QualityMetric("MAE", "test_mae", digits=3),)
     input_column = "text"
 
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], loss_impl: object = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0].float()
         total = F.mse_loss(out, batch["labels"].float(), reduction="sum")
         return total, torch.tensor(len(out), device=out.device)
 
-    @torch.inference_mode()
     def validation_metrics(
-        self, model: nn.Module, split: TokenizedSplit, params: Params, pad_id: int, device: torch.device,
-        precision: ResolvedPrecision,
-    ) -> dict[str, float]:  # fmt: skip
+        self, model: nn.Module, split: TokenizedSplit, params: Params, runtime: Runtime
+    ) -> dict[str, float]:
         errors = np.zeros(len(split))
-        for batch in eval_batches(model, split, params, pad_id, device, self):
-            with autocast_context(precision, device):
-                out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+
+        def predict(batch: dict[str, torch.Tensor]) -> None:
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
             errors[batch["row_index"].numpy()] = (out.float() - batch["labels"].float()).numpy()
+
+        score_batches(model, split, params, runtime, self, predict)
         return {"val_loss": float((errors**2).mean()), "val_mae": float(np.abs(errors).mean())}
 
     def predict_texts(

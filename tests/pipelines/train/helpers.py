@@ -13,6 +13,8 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification
 
 from pipelines.data.tokenization import TokenizedSplit
+from pipelines.runtime import Runtime
+from pipelines.train.step import TrainStep, make_scaler
 
 
 def tiny_model(layers: int = 2, hidden: int = 32, dropout: float = 0.0, seed: int = 0) -> BertForSequenceClassification:
@@ -79,3 +81,16 @@ def loopback_init_method() -> str:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     return f"tcp://127.0.0.1:{port}"
+
+
+def cpu_runtime(precision: str = "fp32", pad_id: int = 0) -> Runtime:
+    """A resolved CPU runtime (the full loss projection) for tests that run the step directly."""
+    return Runtime(torch.device("cpu"), precision, False, None, pad_id)  # type: ignore[arg-type]
+
+
+def cpu_step(model: torch.nn.Module, task: object, precision: str = "fp32", max_grad_norm: float | None = None,
+             optimizer: torch.optim.Optimizer | None = None, scaler: bool = True) -> TrainStep:  # fmt: skip
+    """The trial's step object on a CPU runtime (an SGD at lr 0 when no optimizer is given: backward-only tests)."""
+    runtime = cpu_runtime(precision)
+    optimizer = optimizer or torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    return TrainStep(model, optimizer, task, runtime, make_scaler(runtime, enabled=scaler), max_grad_norm)  # type: ignore[arg-type]

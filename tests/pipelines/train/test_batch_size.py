@@ -11,7 +11,7 @@ from pipelines.tasks import classification_scoring as scoring
 from pipelines.tasks import get_task
 from pipelines.train import batch_size as auto
 from tests.conftest import tiny_params
-from tests.pipelines.train.helpers import tiny_model
+from tests.pipelines.train.helpers import cpu_runtime, cpu_step, tiny_model
 
 CLASSIFICATION = get_task("classification")
 
@@ -33,14 +33,8 @@ def test_auto_on_cpu_keeps_the_effective_batch(default_params, monkeypatch):
     # With little memory available, the micro-batch shrinks and accumulation makes up the rest.
     meter_row = auto.SavedActivationMeter()
     with meter_row.measure():
-        auto.backward_micro_batch(
-            model,
-            auto.probe_batch(1, 40, 120, torch.device("cpu"), CLASSIFICATION),
-            1,
-            "fp32",
-            torch.device("cpu"),
-            torch.amp.GradScaler("cpu", enabled=False),
-            CLASSIFICATION,
+        cpu_step(model, CLASSIFICATION, scaler=False).backward(
+            auto.probe_batch(1, 40, 120, torch.device("cpu"), CLASSIFICATION), 1
         )
     fixed = auto.parameter_bytes(model) * 4
     available = (fixed + 10 * meter_row.peak_bytes) / auto.CPU_MEMORY_SHARE
@@ -130,7 +124,7 @@ def test_the_cuda_probe_runs_full_steps_beside_the_optimizer_state_and_puts_the_
     model.state_present = lambda: bool(built and built[0].state)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with auto.restored_after(model):
-        fits = auto.cuda_fits(model, 30, 120, torch.device("cpu"), "fp32", params, CLASSIFICATION)
+        fits = auto.cuda_fits(model, 30, 120, cpu_runtime(), params, CLASSIFICATION)
         rows = auto.largest_fitting(32, fits)
         assert built[0].state, "the probe's optimizer holds its state"
     # 16 rows fit without optimizer state (16 <= 20), not beside it (32 > 20): the probe says 8.

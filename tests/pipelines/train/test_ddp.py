@@ -11,8 +11,8 @@ import torch.multiprocessing as mp
 
 from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator
 from pipelines.tasks import get_task
-from pipelines.train.steps import accumulate_window, global_window_rows, plan_windows
-from tests.pipelines.train.helpers import loopback_init_method, loopback_process_group, tiny_model, tiny_split
+from pipelines.train.windows import global_window_rows, plan_windows
+from tests.pipelines.train.helpers import cpu_step, loopback_init_method, loopback_process_group, tiny_model, tiny_split
 
 CPU = torch.device("cpu")
 # Rank 0 gets 10 rows of unequal lengths, rank 1 gets 4: one global window of 14 rows.
@@ -36,9 +36,8 @@ def _ddp_gradients(rank: int) -> dict[str, torch.Tensor]:
     collate = PadCollator(split, pad_id=0, fixed_length=None, pad_to_multiple_of=None)
     window = RANK_BATCHES[rank]
     global_rows = sum(len(b) for batches in RANK_BATCHES for b in batches)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    loader = iter(collate(b) for b in window)
-    accumulate_window(model, loader, window, "fp32", CPU, scaler, None, global_rows / 2, get_task("classification"))
+    step = cpu_step(model.module, get_task("classification"), scaler=False).through(model)
+    step.accumulate([collate(b) for b in window], global_rows / 2)
     return {n: p.grad for n, p in model.module.named_parameters()}
 
 
@@ -51,18 +50,8 @@ def test_two_ranks_with_unequal_rows_give_the_mean_gradient_over_all_rows(tmp_pa
     split = tiny_split(rows=14, seed=1)
     collate = PadCollator(split, pad_id=0, fixed_length=None, pad_to_multiple_of=None)
     everything = [b for batches in RANK_BATCHES for b in batches]
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    accumulate_window(
-        model,
-        iter(collate(b) for b in everything),
-        everything,
-        "fp32",
-        CPU,
-        scaler,
-        None,
-        None,
-        get_task("classification"),
-    )
+    step = cpu_step(model, get_task("classification"), scaler=False)
+    step.accumulate([collate(b) for b in everything], sum(len(b) for b in everything))
     worst = max((ddp[n] - p.grad).abs().max().item() for n, p in model.named_parameters())
     assert worst < 1e-6, worst
 

@@ -13,9 +13,9 @@ from pipelines.tasks import get_task
 from pipelines.train.engine import train_model
 from pipelines.train.memory import SavedActivationMeter, optimizer_state_bytes, parameter_bytes
 from pipelines.train.optim import build_optimizer
-from pipelines.train.steps import accumulate_window, backward_micro_batch, halve_windows, plan_windows
+from pipelines.train.windows import halve_windows, plan_windows
 from tests.conftest import tiny_params
-from tests.pipelines.train.helpers import loopback_init_method, loopback_process_group, tiny_model, tiny_split
+from tests.pipelines.train.helpers import cpu_step, loopback_init_method, loopback_process_group, tiny_model, tiny_split
 
 CLASSIFICATION = get_task("classification")
 
@@ -28,10 +28,10 @@ def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def accumulated_gradients(model, split, batches: list[list[int]], rows_in_window: int) -> dict[str, torch.Tensor]:
     collate = PadCollator(split, pad_id=0, fixed_length=None, pad_to_multiple_of=None)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    step = cpu_step(model, CLASSIFICATION, scaler=False)
     model.zero_grad(set_to_none=True)
     for batch in batches:
-        backward_micro_batch(model, collate(batch), rows_in_window, "fp32", CPU, scaler, CLASSIFICATION)
+        step.backward(collate(batch), rows_in_window)
     return gradients(model)
 
 
@@ -68,7 +68,6 @@ def test_last_partial_window_is_weighted_by_its_own_rows():
 def test_checkpointing_same_gradients_and_at_least_40_percent_fewer_saved_activations():
     split = tiny_split(rows=16, max_len=64)
     batch = PadCollator(split, pad_id=0, fixed_length=None, pad_to_multiple_of=None)(list(range(16)))
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
     results = {}
     for checkpointing in (False, True):
         model = tiny_model(layers=4, hidden=64)
@@ -77,7 +76,7 @@ def test_checkpointing_same_gradients_and_at_least_40_percent_fewer_saved_activa
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         meter = SavedActivationMeter()
         with meter.measure():
-            backward_micro_batch(model, batch, 16, "fp32", CPU, scaler, CLASSIFICATION)
+            cpu_step(model, CLASSIFICATION, scaler=False).backward(batch, 16)
         results[checkpointing] = (gradients(model), meter.peak_bytes)
     assert_close(results[False][0], results[True][0], atol=1e-6)
     plain, checkpointed = results[False][1], results[True][1]
@@ -89,7 +88,7 @@ def optimizer_bytes_after_one_step(name: str) -> tuple[int, int]:
     optimizer = build_optimizer(name, model, 1e-3, 0.01, CPU)
     split = tiny_split(rows=8)
     batch = PadCollator(split, pad_id=0, fixed_length=None, pad_to_multiple_of=None)(list(range(8)))
-    backward_micro_batch(model, batch, 8, "fp32", CPU, torch.amp.GradScaler("cpu", enabled=False), CLASSIFICATION)
+    cpu_step(model, CLASSIFICATION, scaler=False).backward(batch, 8)
     optimizer.step()
     return optimizer_state_bytes(optimizer), parameter_bytes(model)
 
@@ -338,11 +337,11 @@ def _ddp_all_reduce_counts() -> tuple[int, int]:
     split = tiny_split(rows=32)
     window = [list(range(i, i + 8)) for i in range(0, 32, 8)]  # 4 micro-batches
     collate = PadCollator(split, pad_id=0, fixed_length=None, pad_to_multiple_of=None)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    accumulate_window(ddp, iter([collate(window[0])]), window[:1], "fp32", CPU, scaler, None, None, CLASSIFICATION)
+    step = cpu_step(ddp.module, CLASSIFICATION, scaler=False).through(ddp)
+    step.accumulate([collate(window[0])], len(window[0]))
     per_backward = len(calls)
     calls.clear()
-    accumulate_window(ddp, iter(collate(b) for b in window), window, "fp32", CPU, scaler, None, None, CLASSIFICATION)
+    step.accumulate([collate(b) for b in window], sum(len(b) for b in window))
     return per_backward, len(calls)
 
 

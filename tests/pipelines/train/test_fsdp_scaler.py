@@ -21,7 +21,7 @@ CPU = torch.device("cpu")
 def _step_with_inf_on_rank_0(rank: int, init_method: str, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    from pipelines.train.steps import make_scaler, optimizer_step
+    from tests.pipelines.train.helpers import cpu_step
 
     torch.set_num_threads(1)
     with loopback_process_group(rank, 2, init_method):
@@ -32,15 +32,16 @@ def _step_with_inf_on_rank_0(rank: int, init_method: str, out: str) -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         ids = torch.randint(5, 100, (4, 12), generator=torch.Generator().manual_seed(rank))
         before = [p.detach().to_local().clone() for p in model.parameters()]
-        scaler = make_scaler("fp32", CPU)
+        step = cpu_step(model, None, optimizer=optimizer)
+        scaler = step.scaler
         scaler.scale(model(input_ids=ids, labels=torch.zeros(4, dtype=torch.long)).loss).backward()
         if rank == 0:  # only rank 0's shard of one gradient is non-finite
             next(p for p in model.parameters() if p.grad is not None).grad.to_local().view(-1)[0] = float("inf")
-        skipped = int(optimizer_step(model, optimizer, scaler, None, "fp32"))
+        skipped = int(step.update())
         weights = zip(model.parameters(), before, strict=True)
         unchanged = all(torch.equal(p.detach().to_local(), kept) for p, kept in weights)
         scaler.scale(model(input_ids=ids, labels=torch.zeros(4, dtype=torch.long)).loss).backward()
-        control = int(optimizer_step(model, optimizer, scaler, None, "fp32"))  # finite everywhere: it steps
+        control = int(step.update())  # finite everywhere: it steps
         results = {"skipped": skipped, "weights unchanged": unchanged, "finite step skipped": control}
         torch.save(results, f"{out}.{rank}")
 

@@ -14,9 +14,8 @@ from pipelines.tasks import classification_scoring as scoring
 from pipelines.tasks import get_task
 from pipelines.train.engine import train_model
 from pipelines.train.memory import SavedActivationMeter, peak_rss_bytes, reset_peak_rss
-from pipelines.train.steps import backward_micro_batch
 from tests.conftest import tiny_params
-from tests.pipelines.train.helpers import tiny_model, tiny_split
+from tests.pipelines.train.helpers import cpu_step, tiny_model, tiny_split
 
 CLASSIFICATION = get_task("classification")
 
@@ -72,9 +71,9 @@ def test_validation_checkpoints_and_warmup_are_timed_outside_train_time(default_
 
 
 def test_the_first_step_is_the_warmup_and_not_in_train_time(default_params, monkeypatch):
-    import pipelines.train.trainer as trainer
+    from pipelines.train.step import TrainStep
 
-    real_step = trainer.optimizer_step
+    real_step = TrainStep.update
     calls = []
 
     def slow_first_real_step(*args, **kwargs):
@@ -83,7 +82,7 @@ def test_the_first_step_is_the_warmup_and_not_in_train_time(default_params, monk
             time.sleep(1.0)
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(trainer, "optimizer_step", slow_first_real_step)
+    monkeypatch.setattr(TrainStep, "update", slow_first_real_step)
     m = run(default_params, validation=False).metrics
     assert m["warmup_time_s"] >= 1.0 and m["train_time_s"] < 1.0, m
 
@@ -115,7 +114,7 @@ def saved_activation_bytes(default_params, checkpointing: bool) -> int:
     batch = PadCollator(split, pad_id=0, fixed_length=None, pad_to_multiple_of=None)(rows)
     meter = SavedActivationMeter()
     with meter.measure():
-        backward_micro_batch(model, batch, 16, "fp32", CPU, torch.amp.GradScaler("cpu", enabled=False), CLASSIFICATION)
+        cpu_step(model, CLASSIFICATION, scaler=False).backward(batch, 16)
     return meter.peak_bytes
 
 
@@ -242,7 +241,10 @@ def test_the_cuda_peak_keeps_the_warmup_step_and_leaves_out_what_follows_a_pause
     trainer.counters, trainer.logged_loss = torch.zeros(3, dtype=torch.long), torch.zeros(())
     trainer.per_epoch_schedule, trainer.total_steps = True, 100
     allocator["peak"] = 900  # the warm-up step: the longest batch, and the optimizer state created
-    trainer.after_step(0, torch.tensor(1.0), None, torch.tensor(False), warmup=True)
+    from pipelines.train.step import StepOutcome
+    from pipelines.train.trainer import WindowStep
+
+    trainer.after_step(0, WindowStep(StepOutcome(torch.tensor(1.0), torch.tensor(False)), None, warmup=True))
     trainer.resume_training()  # the next step resets the allocator's peak
     allocator["peak"] = 600
     trainer.pause_training()  # validation follows: its allocations must not count

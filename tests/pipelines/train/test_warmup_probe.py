@@ -54,7 +54,9 @@ def test_the_tracked_warmup_trains_exactly_as_the_separate_probe_did(default_par
 
 def test_the_first_window_runs_once(default_params, monkeypatch):
     windows = []
-    real = trainer.accumulate_window
-    monkeypatch.setattr(trainer, "accumulate_window", lambda *a, **k: windows.append(1) or real(*a, **k))
+    from pipelines.train.step import TrainStep
+
+    real = TrainStep.accumulate
+    monkeypatch.setattr(TrainStep, "accumulate", lambda *a, **k: windows.append(1) or real(*a, **k))
     result = run(default_params, validation=False, epochs=1)
     assert len(windows) == result.metrics["optimizer_steps"]  # one per optimizer step, no probe runs
