@@ -317,14 +317,11 @@ def plan_memory(
         train_step = TrainStep(model, optimizer, task, runtime, make_scaler(runtime, enabled=False),
                                params.max_grad_norm, offload)  # fmt: skip
 
-        def step(meter: object | None) -> None:
-            train_step(batches, units, meter)
-
         # The engine's CPU dropout (its attention swap needs real outputs to check, so it is not tried here).
         dropout = fast_dropout(model) if params.fast_dropout and not params.compile else nullcontext()
         with dropout, target.rules():
             peak, step_flops, model_flops = _track_counting_flops(
-                step, model, optimizer, params.grad_checkpointing, scale
+                lambda meter: train_step(batches, units, meter), model, optimizer, params.grad_checkpointing, scale
             )
         state = [v for kept in optimizer.state.values() for v in kept.values() if isinstance(v, torch.Tensor)]
         state = [v for v in state if v.numel() > 1]  # as the trial counts: moments and factors, not scalar steps

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from pipelines.params import DataParams, ModelParams, Params
+from pipelines.runtime import FULL_LOSS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -175,11 +176,11 @@ class Task(ABC):
 
     @abstractmethod
     def loss(
-        self, model: nn.Module, batch: dict[str, torch.Tensor], loss_impl: LossImpl | None = None
+        self, model: nn.Module, batch: dict[str, torch.Tensor], loss_impl: LossImpl = FULL_LOSS
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of the batch's loss terms in fp32, number of terms) for a batch on the model's device.
 
-        `loss_impl`: how a vocabulary projection is computed (the runtime's; None: the full projection); a task
+        `loss_impl`: how a vocabulary projection is computed (the runtime's; by default the full projection); a task
         whose loss projects no vocabulary ignores it."""
 
     def generation_probe(self, split: TokenizedSplit, params: Params) -> GenerationProbe | None:

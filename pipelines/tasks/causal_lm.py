@@ -25,7 +25,7 @@ from pipelines.data.synthetic import generate_instructions
 from pipelines.data.tokenization import TokenizedSplit, train_causal_word_tokenizer
 from pipelines.errors import UserError
 from pipelines.params import DataParams, ModelParams, Params
-from pipelines.runtime import LossImpl, Runtime
+from pipelines.runtime import FULL_LOSS, LossImpl, Runtime
 from pipelines.tasks.base import Encoded, EvaluationResult, GenerationProbe, QualityMetric
 from pipelines.tasks.generation import GenerationTask, score_generation
 from pipelines.tasks.linear_ce import projected_cross_entropy, unwrapped
@@ -129,7 +129,7 @@ def _keeps_logits(model: nn.Module) -> bool:
 
 
 def next_token_loss(
-    model: nn.Module, batch: dict[str, torch.Tensor], loss_impl: LossImpl | None = None
+    model: nn.Module, batch: dict[str, torch.Tensor], loss_impl: LossImpl = FULL_LOSS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(summed fp32 cross-entropy over target tokens, their count, how many the argmax got right).
 
@@ -150,7 +150,7 @@ def next_token_loss(
         forward = lambda: torch.take_along_dim(  # noqa: E731
             model(**inputs, use_cache=False).logits, positions[..., None], dim=1
         )
-    total, correct = projected_cross_entropy(model, forward, targets, loss_impl or LossImpl())
+    total, correct = projected_cross_entropy(model, forward, targets, loss_impl)
     counted = targets != IGNORE
     return total, counted.sum(), correct
 

@@ -25,7 +25,7 @@ from pipelines.data.tokenization import (
     train_word_tokenizer,
 )
 from pipelines.params import DataParams, ModelParams, Params
-from pipelines.runtime import LossImpl, Runtime
+from pipelines.runtime import FULL_LOSS, LossImpl, Runtime
 from pipelines.tasks import classification_scoring as scoring
 from pipelines.tasks.base import Encoded, EvaluationResult, QualityMetric, Task
 
@@ -133,7 +133,7 @@ class ClassificationTask(Task):
         return np.ones(len(split), dtype=np.int64)
 
     def loss(
-        self, model: nn.Module, batch: dict[str, torch.Tensor], loss_impl: LossImpl | None = None
+        self, model: nn.Module, batch: dict[str, torch.Tensor], loss_impl: LossImpl = FULL_LOSS
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # A classifier's head projects to its classes, not a vocabulary: `loss_impl` does not apply.
         # Looked up on the module at call time: tests substitute scoring.forward_logits for wrapped models.

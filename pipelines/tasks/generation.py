@@ -22,7 +22,7 @@ from pipelines.data.loader import eval_batch_rows, score_batches
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.noise import wilson_interval
 from pipelines.params import Params
-from pipelines.runtime import LossImpl, Runtime, eval_mode
+from pipelines.runtime import FULL_LOSS, LossImpl, Runtime, eval_mode
 from pipelines.tasks.answer_plots import answer_plots
 from pipelines.tasks.base import EvaluationResult, Task
 
@@ -39,12 +39,12 @@ class GenerationTask(Task):
     @staticmethod
     @abstractmethod
     def token_loss(
-        model: nn.Module, batch: dict[str, torch.Tensor], loss_impl: LossImpl | None = None
+        model: nn.Module, batch: dict[str, torch.Tensor], loss_impl: LossImpl = FULL_LOSS
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(summed fp32 cross-entropy over the batch's target tokens, their count, how many the argmax got right)."""
 
     def loss(
-        self, model: nn.Module, batch: dict[str, torch.Tensor], loss_impl: LossImpl | None = None
+        self, model: nn.Module, batch: dict[str, torch.Tensor], loss_impl: LossImpl = FULL_LOSS
     ) -> tuple[torch.Tensor, torch.Tensor]:
         total, count, _ = self.token_loss(model, batch, loss_impl)
         return total, count

@@ -27,7 +27,7 @@ from pipelines.data.synthetic import generate_translations
 from pipelines.data.tokenization import TokenizedSplit, train_causal_word_tokenizer
 from pipelines.noise import wilson_interval
 from pipelines.params import DataParams, ModelParams, Params
-from pipelines.runtime import LossImpl, Runtime
+from pipelines.runtime import FULL_LOSS, LossImpl, Runtime
 from pipelines.tasks.answer_plots import answer_plots
 from pipelines.tasks.base import Encoded, EvaluationResult, GenerationProbe, QualityMetric
 from pipelines.tasks.causal_lm import IGNORE
@@ -80,7 +80,7 @@ class Seq2SeqCollator(PadCollator):
 
 
 def target_token_loss(
-    model: nn.Module, batch: dict[str, torch.Tensor], loss_impl: LossImpl | None = None
+    model: nn.Module, batch: dict[str, torch.Tensor], loss_impl: LossImpl = FULL_LOSS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(summed fp32 cross-entropy over target tokens, their count, how many the argmax got right)."""
     decoder_input = batch.get("decoder_input_ids")
@@ -95,7 +95,7 @@ def target_token_loss(
     # Every position with ignore_index, not the targets picked by a boolean mask: a mask's data-dependent shape
     # costs a host sync per micro-batch on CUDA and cannot be sized on fake tensors (the memory plan). Decoder
     # rows pad only past their EOS, so the fp32 copy covers few positions more than the targets.
-    total, correct = projected_cross_entropy(model, forward, labels, loss_impl or LossImpl())
+    total, correct = projected_cross_entropy(model, forward, labels, loss_impl)
     targets = labels != IGNORE
     return total, targets.sum(), correct
 
