@@ -176,8 +176,8 @@ def set_up(trial: Trial, params: Params, device: torch.device | None) -> Setup:
 
 def resolve(trial: Trial, setup: Setup) -> ResolvedTraining:
     """Every `auto` left after the plan (the micro-batch, probed for real on CUDA; the learning rate), logged."""
-    resolved = resolve_training(setup.preflight, setup.planner, setup.model, setup.train, setup.task, setup.runtime,
-                                plans=trial.rank == 0)  # fmt: skip
+    planner = setup.planner if trial.rank == 0 else None  # ranks that log nothing plan nothing again
+    resolved = resolve_training(setup.preflight, planner, setup.model, setup.train, setup.task, setup.runtime)
     plan, sweep = resolved.plan, resolved.lr_sweep
     trial.logger.log_dict({**(plan.as_metrics() if plan else {}), **(sweep.as_metrics() if sweep else {})})
     if sweep:

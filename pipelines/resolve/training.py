@@ -47,12 +47,11 @@ class ResolvedTraining:
 
 
 def resolve_training(
-    preflight: Preflight, planner: Planner, model: nn.Module, train: TokenizedSplit, task: Task, runtime: Runtime,
-    plans: bool = True,
-) -> ResolvedTraining:  # fmt: skip
+    preflight: Preflight, planner: Planner | None, model: nn.Module, train: TokenizedSplit, task: Task, runtime: Runtime
+) -> ResolvedTraining:
     """The micro-batch and learning rate left `auto` after the preflight, on the adapted `model`.
 
-    A micro-batch probed for real is planned again at the size found (`plans`: False on ranks that log nothing).
+    A micro-batch probed for real is planned again at the size found (`planner`: None on ranks that log nothing).
     """
     params = preflight.params
     runtime = replace(runtime, loss=resolve_loss(model, params, task))  # on the adapted model: its head decides
@@ -62,6 +61,6 @@ def resolve_training(
     probed = params.batch_size == "auto"  # still auto: CUDA without a budget
     width = longest if params.data.bucketing else params.data.max_length
     params = resolve_batch_size(params, model, width, runtime, task)
-    plan = plan_or_none(planner, params) if probed and plans else preflight.plan
+    plan = plan_or_none(planner, params) if probed and planner is not None else preflight.plan
     params, sweep = resolve_lr(params, model, train, runtime, task)
     return ResolvedTraining(params, runtime, plan, preflight.note, sweep)

@@ -20,11 +20,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pipelines.params import Params, flatten_params
+
+if TYPE_CHECKING:
+    from pipelines.train.step import TrainStep
 
 CHECKPOINT_FILE = "checkpoint.pt"
 PARAMS_FILE = "params.json"
@@ -106,21 +109,14 @@ def claim_checkpoint_dir(root: Path, params: Params) -> Iterator[Path]:
         return
 
 
-def save_checkpoint(
-    folder: Path,
-    params: Params,
-    state: LoopState,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    scaler: torch.amp.GradScaler,
-) -> None:
-    """Write a checkpoint atomically into `folder` (replacing the previous one)."""
+def save_checkpoint(folder: Path, params: Params, state: LoopState, step: TrainStep, scheduler: Any) -> None:
+    """Write a checkpoint atomically into `folder` (replacing the previous one): the step's model, optimizer and
+    scaler, the schedule, the RNG and the loop's state."""
     payload = {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "model": step.model.state_dict(),
+        "optimizer": step.optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict(),
+        "scaler": step.scaler.state_dict(),
         "rng_cpu": torch.get_rng_state(),
         "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         "state": json.dumps(asdict(state)),
@@ -152,18 +148,13 @@ def find_resumable(folder: Path, params: Params) -> tuple[dict[str, Any] | None,
     return payload, f"resuming from {path} at epoch {state.epoch + 1}, optimizer step {state.step}"
 
 
-def restore(
-    payload: dict[str, Any],
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    scaler: torch.amp.GradScaler,
-) -> LoopState:
-    """Load a checkpoint payload into the live objects; return the loop state to continue from."""
-    model.load_state_dict(payload["model"])
-    optimizer.load_state_dict(payload["optimizer"])
+def restore(payload: dict[str, Any], step: TrainStep, scheduler: Any) -> LoopState:
+    """Load a checkpoint payload into the step's model, optimizer and scaler and the schedule; return the loop state
+    to continue from."""
+    step.model.load_state_dict(payload["model"])
+    step.optimizer.load_state_dict(payload["optimizer"])
     scheduler.load_state_dict(payload["scheduler"])
-    scaler.load_state_dict(payload["scaler"])
+    step.scaler.load_state_dict(payload["scaler"])
     torch.set_rng_state(payload["rng_cpu"])
     if payload["rng_cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(payload["rng_cuda"])

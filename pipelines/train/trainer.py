@@ -113,10 +113,9 @@ class Trainer:
         self.optimizer = build_optimizer(params.optim, self.model, params.lr, params.weight_decay, device)
         warmup_steps = int(params.warmup_ratio * self.total_steps)
         self.scheduler = build_scheduler(params.lr_schedule, self.optimizer, params.lr, self.total_steps, warmup_steps)
-        self.scaler = make_scaler(runtime)
         # The step, built once: the loop, the warm-up probe and the memory probe all run this object.
-        self.train_step = TrainStep(self.model, self.optimizer, task, runtime, self.scaler, params.max_grad_norm,
-                                    offload)  # fmt: skip
+        scaler = make_scaler(runtime)
+        self.train_step = TrainStep(self.model, self.optimizer, task, runtime, scaler, params.max_grad_norm, offload)
         self.per_epoch_schedule = params.lr_schedule == "reduce_on_plateau"
         self.units = task.loss_units(train, params)  # per row: what a window's mean loss divides by
 
@@ -148,7 +147,7 @@ class Trainer:
             payload, message = find_resumable(self.checkpoint_dir, self.params)
             self.say(message)
             if payload is not None:
-                self.state = restore(payload, self.model, self.optimizer, self.scheduler, self.scaler)
+                self.state = restore(payload, self.train_step, self.scheduler)
         if memory is not None:
             self.state.memory = memory.as_metrics()
         forward: nn.Module = self.model  # the step runs its forward through the DDP replica, compiled when asked
@@ -176,7 +175,7 @@ class Trainer:
         loader = make_loader(self.train, first_window, in_process(self.params), self.runtime, self.task)
         batches = [to_device(batch, self.device) for batch in loader]
         units = window_units(first_window, self.units)
-        return _measure_memory(self.model, self.optimizer, self.scaler,
+        return _measure_memory(self.model, self.optimizer, self.train_step.scaler,
                                lambda meter: self.train_step(batches, units, meter), self.device, self.say)  # fmt: skip
 
     def epoch(self) -> None:
@@ -259,8 +258,7 @@ class Trainer:
             self.clock.lap()
             state.add_timed(counts.rows, counts.tokens, counts.positions, counts.wait_s)
         if state.step % params.log_every_n_steps == 0 or state.step == self.total_steps:
-            _log_point(state, counters, self.logged_loss, self.optimizer, self.scaler, epoch, self.device,
-                       self.world_size, self.on_log, self.total_steps)  # fmt: skip
+            self.log_point(epoch)
             self.clock.read_laps()
             if state.nonfinite_consecutive >= params.max_nonfinite_steps:
                 raise NonFiniteLoss(
@@ -270,6 +268,31 @@ class Trainer:
                 )
         if params.checkpoint_every_n_steps and state.step % params.checkpoint_every_n_steps == 0:
             self.checkpoint()
+
+    def log_point(self, epoch: int) -> None:
+        """The loop's one host-device sync, every log_every_n_steps steps (and, under DDP, its one extra
+        all-reduce: the global loss and the worst rank's counters)."""
+        state, counters, logged_loss, device = self.state, self.counters, self.logged_loss, self.device
+        consecutive, total_bad, skipped = (int(v) for v in all_reduce(counters.tolist(), "max", device))
+        interval_loss = all_reduce([float(logged_loss)], "sum", device)[0] / self.world_size
+        bad_in_interval = total_bad - state.nonfinite_total
+        state.nonfinite_consecutive, state.nonfinite_total, state.skipped_total = consecutive, total_bad, skipped
+        good = state.logged_windows - bad_in_interval
+        point = {
+            "loss": interval_loss / good if good else float("nan"),
+            "lr": current_lr(self.optimizer),
+            "skipped_steps": float(skipped),
+        }
+        scale = self.train_step.scaler.get_scale()
+        if scale != 1.0:  # fp16's dynamic scale (other precisions hold it at 1.0)
+            point["loss_scale"] = scale
+        state.history.append({"step": state.step, "epoch": epoch, **point})
+        logged_loss.zero_()
+        state.logged_windows = 0
+        if self.on_log:  # and, for progress displays, how far along the run is (not part of the logged curve)
+            self.on_log(
+                state.step, {**point, "total_steps": float(self.total_steps), "rows_timed": float(state.rows_timed)}
+            )
 
     def end_epoch(self, epoch: int) -> None:
         """Validate (on its own clock), step a per-epoch schedule, checkpoint, and tell the caller."""
@@ -313,8 +336,7 @@ class Trainer:
             self.pause_training()
             with timed(self.device, self.clocks, "checkpoint_time_s"):
                 self.state.logged_loss = float(self.logged_loss)
-                save_checkpoint(self.checkpoint_dir, self.params, self.state, self.model, self.optimizer,
-                                self.scheduler, self.scaler)  # fmt: skip
+                save_checkpoint(self.checkpoint_dir, self.params, self.state, self.train_step, self.scheduler)
 
 
 def _measure_memory(
@@ -344,37 +366,3 @@ def _measure_memory(
                 torch.cuda.set_rng_state_all(cuda_rng)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-
-
-def _log_point(
-    state: LoopState,
-    counters: torch.Tensor,
-    logged_loss: torch.Tensor,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
-    epoch: int,
-    device: torch.device,
-    world_size: int,
-    on_log: LogFn | None,
-    total_steps: int,
-) -> None:
-    """The loop's one host-device sync, every log_every_n_steps steps (and, under DDP, its one extra
-    all-reduce: the global loss and the worst rank's counters)."""
-    consecutive, total_bad, skipped = (int(v) for v in all_reduce(counters.tolist(), "max", device))
-    interval_loss = all_reduce([float(logged_loss)], "sum", device)[0] / world_size
-    bad_in_interval = total_bad - state.nonfinite_total
-    state.nonfinite_consecutive, state.nonfinite_total, state.skipped_total = consecutive, total_bad, skipped
-    good = state.logged_windows - bad_in_interval
-    point = {
-        "loss": interval_loss / good if good else float("nan"),
-        "lr": current_lr(optimizer),
-        "skipped_steps": float(skipped),
-    }
-    scale = scaler.get_scale()
-    if scale != 1.0:  # fp16's dynamic scale (other precisions hold it at 1.0)
-        point["loss_scale"] = scale
-    state.history.append({"step": state.step, "epoch": epoch, **point})
-    logged_loss.zero_()
-    state.logged_windows = 0
-    if on_log:  # and, for progress displays, how far along the run is (not part of the logged curve)
-        on_log(state.step, {**point, "total_steps": float(total_steps), "rows_timed": float(state.rows_timed)})

@@ -97,7 +97,7 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
         logger.log_tags(stopped_tags(context.scheduler))
 
     with ended_run(close, record_error, record_stop):
-        params = trial_params(config, context, variant, client, run_id, logger, rss_reset)
+        params = trial_params(config, context, variant, logger, rss_reset)
         monitors.append(watch_system(run_id, context.tracking_uri))
         with claim_checkpoint_dir(Path(context.checkpoint_root), params) as checkpoint_dir:
             if params.distributed.num_workers > 1:
@@ -116,10 +116,11 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
 
 
 def trial_params(
-    config: dict[str, Any], context: TrialContext, variant: str, client: Any, run_id: str, logger: RunLogger,
-    rss_reset: bool,
-) -> Params:  # fmt: skip
-    """The trial's params (the base with its variant's and sampled overrides), logged with its inputs."""
+    config: dict[str, Any], context: TrialContext, variant: str, logger: RunLogger, rss_reset: bool
+) -> Params:
+    """The trial's params (the base with its variant's and sampled overrides), logged with its inputs to the
+    logger's run."""
+    client, run_id = logger.client, logger.run_id
     overrides = trial_overrides(config, context.variants)
     params = apply_overrides(Params.model_validate(context.params), overrides, source=f"variant {variant!r}")
     list_first(client, run_id, headline_metrics(params.task))  # what MLflow's compare view opens on
