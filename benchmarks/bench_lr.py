@@ -29,10 +29,10 @@ def run_one(lr: float | str, tokenized: Path, root: Path, rule: str | None = Non
 
     from pipelines.data.tokenization import TOKENIZER_DIR, TokenizedSplit
     from pipelines.params import apply_overrides, load_params
+    from pipelines.resolve.lr_range import resolve_lr
     from pipelines.runtime import resolve_runtime
     from pipelines.tasks import get_task
     from pipelines.train.engine import train_model
-    from pipelines.train.lr_range import resolve_lr
 
     overrides: dict[str, Any] = {"lr": lr, "device": "cpu"}
     if rule is not None:

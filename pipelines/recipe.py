@@ -28,6 +28,7 @@ from pipelines.model import set_attention
 from pipelines.model_card import pretrained_base, record_adapter_base, set_model_max_length, write_model_card
 from pipelines.params import Params
 from pipelines.progress import TrialProgress
+from pipelines.resolve.lr_range import LrRangeResult
 from pipelines.resolve.preflight import Preflight, plan_before_training, trial_planner
 from pipelines.resolve.target import trial_target
 from pipelines.resolve.training import ResolvedTraining, resolve_training
@@ -37,7 +38,6 @@ from pipelines.tasks.base import Task
 from pipelines.train.checkpoint import discard
 from pipelines.train.engine import TrainResult, run_training
 from pipelines.train.flops import flops_metrics
-from pipelines.train.lr_range import LrRangeResult
 from pipelines.trial_context import FINAL_KEY, QUALITY_TAG, TrialContext
 
 PARAMS_FILE = "params.json"

@@ -38,11 +38,11 @@ from pipelines.data.loader import in_process, make_loader
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.params import Params
+from pipelines.resolve.eval_memory import generation_peak, largest_eval_batch, validation_peak
 from pipelines.resolve.qlora_plan import EightBitAdamWPlan, as_qlora
 from pipelines.resolve.target import CPU_TARGET, PlanTarget
 from pipelines.runtime import ResolvedPrecision, Runtime, resolve_pad_multiple
 from pipelines.tasks.base import Task
-from pipelines.train.eval_memory import generation_peak, largest_eval_batch, validation_peak
 from pipelines.train.fast_dropout import fast_dropout
 from pipelines.train.flops import flop_counter
 from pipelines.train.memory import MemoryAtPeak, track_step
@@ -85,8 +85,8 @@ class MemoryPlan:
     step_flops: int = 0
     model_flops: int = 0
     positions: int = 0
-    eval_peak: int = 0  # validation's largest scoring batch, beside weights and optimizer state (train/eval_memory)
-    generation_peak: int = 0  # the evaluate stage's largest generation batch, beside the weights (train/eval_memory)
+    eval_peak: int = 0  # validation's largest scoring batch, beside weights and optimizer state (resolve/eval_memory)
+    generation_peak: int = 0  # the evaluate stage's largest generation batch, beside the weights (resolve/eval_memory)
     target: str = "cpu"  # the device modelled: cpu or a GPU profile (pipelines.resolve.target)
 
     def as_metrics(self) -> dict[str, float]:

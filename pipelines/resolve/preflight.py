@@ -19,11 +19,11 @@ from pipelines.adapters import apply_adapter
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.params import Params
+from pipelines.resolve.batch_size import CPU_MEMORY_SHARE
 from pipelines.resolve.budget import Planner, describe, fit_to_budget, largest_fitting_batch
 from pipelines.resolve.memory_plan import MemoryPlan, PlanUnavailable, plan_memory
 from pipelines.resolve.target import PlanTarget, as_target
 from pipelines.tasks.base import Task
-from pipelines.train.batch_size import CPU_MEMORY_SHARE
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -15,13 +15,13 @@ from torch import nn
 from pipelines.data.batching import padded_length
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.params import Params
+from pipelines.resolve.batch_size import resolve_batch_size
 from pipelines.resolve.budget import Planner
+from pipelines.resolve.lr_range import LrRangeResult, resolve_lr
 from pipelines.resolve.memory_plan import MemoryPlan
 from pipelines.resolve.preflight import Preflight, plan_or_none
 from pipelines.runtime import Runtime
 from pipelines.tasks.base import Task
-from pipelines.train.batch_size import resolve_batch_size
-from pipelines.train.lr_range import LrRangeResult, resolve_lr
 from pipelines.train.memory_levers import resolve_loss
 
 

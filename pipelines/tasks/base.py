@@ -185,7 +185,7 @@ class Task(ABC):
 
     def generation_probe(self, split: TokenizedSplit, params: Params) -> GenerationProbe | None:
         """What the memory plan runs for the evaluate stage's largest generation batch, or None for a task that
-        does not generate (`pipelines.train.eval_memory.generation_peak`)."""
+        does not generate (`pipelines.resolve.eval_memory.generation_peak`)."""
         return None
 
     @abstractmethod

@@ -109,7 +109,7 @@ class Trainer:
             math.ceil(len(self.sampler.batches(e)) / params.grad_accum_steps) for e in range(params.epochs)
         )
         if params.lr == "auto":
-            raise ValueError("lr: auto is resolved before training (pipelines.train.lr_range.resolve_lr)")
+            raise ValueError("lr: auto is resolved before training (pipelines.resolve.lr_range.resolve_lr)")
         self.optimizer = build_optimizer(params.optim, self.model, params.lr, params.weight_decay, device)
         warmup_steps = int(params.warmup_ratio * self.total_steps)
         self.scheduler = build_scheduler(params.lr_schedule, self.optimizer, params.lr, self.total_steps, warmup_steps)

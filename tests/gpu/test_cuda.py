@@ -17,9 +17,9 @@ from transformers import BertConfig, BertForSequenceClassification
 
 from pipelines.data.loader import make_loader, to_device
 from pipelines.data.tokenization import TokenizedSplit
+from pipelines.resolve import batch_size as auto
 from pipelines.runtime import Runtime, resolve_runtime
 from pipelines.tasks import get_task
-from pipelines.train import batch_size as auto
 from pipelines.train.engine import train_model
 from pipelines.train.step import TrainStep, make_scaler
 from tests.conftest import tiny_params

@@ -109,8 +109,8 @@ def test_readme_is_a_newcomer_size_and_links_only_pages_that_exist():
 
 STEP_USERS = (
     "pipelines.train.trainer",  # the loop and its warm-up / memory probe
-    "pipelines.train.lr_range",  # the LR range test
-    "pipelines.train.batch_size",  # the batch-size probe
+    "pipelines.resolve.lr_range",  # the LR range test
+    "pipelines.resolve.batch_size",  # the batch-size probe
     "pipelines.resolve.memory_plan",  # the plan's fake step
 )
 

@@ -16,7 +16,7 @@ LIGHT_MODULES = [
     "pipelines.train.memory",
     "pipelines.runtime",
     "pipelines.train.checkpoint",
-    "pipelines.train.batch_size",
+    "pipelines.resolve.batch_size",
     "pipelines.train.flops",
     "pipelines.data.batching",
     "pipelines.data.packing",

@@ -15,11 +15,11 @@ from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.params import ParamsError
 from pipelines.resolve.budget import choose_strategy
+from pipelines.resolve.eval_memory import largest_eval_batch, validation_peak
 from pipelines.resolve.memory_plan import plan_memory
 from pipelines.runtime import LossImpl
 from pipelines.tasks import get_task
 from pipelines.train.engine import train_model
-from pipelines.train.eval_memory import largest_eval_batch, validation_peak
 from pipelines.train.memory_levers import apply_memory_levers, resolve_loss
 from pipelines.train.optim import build_optimizer
 from tests.conftest import tiny_params

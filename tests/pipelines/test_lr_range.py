@@ -6,9 +6,9 @@ import numpy as np
 import torch
 
 from pipelines.params import apply_overrides
+from pipelines.resolve.lr_range import pick_lr, resolve_lr, smooth
 from pipelines.runtime import resolve_runtime
 from pipelines.tasks import get_task
-from pipelines.train.lr_range import pick_lr, resolve_lr, smooth
 from tests.conftest import tiny_params
 from tests.pipelines.train.helpers import tiny_model, tiny_split
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from pipelines.params import ParamsError
+from pipelines.resolve import batch_size as auto
 from pipelines.runtime import resolve_runtime
 from pipelines.tasks import classification_scoring as scoring
 from pipelines.tasks import get_task
-from pipelines.train import batch_size as auto
 from tests.conftest import tiny_params
 from tests.pipelines.train.helpers import cpu_runtime, cpu_step, tiny_model
 
