@@ -19,6 +19,7 @@ from torch import nn
 
 from pipelines.errors import UserError
 from pipelines.library_check import check_library_internals
+from pipelines.optimizer_registry import OPTIMIZERS
 from pipelines.params import Params, ray_address
 
 ResolvedPrecision = Literal["fp32", "fp16", "bf16"]
@@ -79,16 +80,22 @@ def check_runtime(params: Params) -> None:
             "use precision: bf16, fp32 or auto"
         )
     _check_worker_gpus(params)
-    if params.optim == "adamw_8bit":
-        if device.type != "cuda":
-            raise UserError("optim = 'adamw_8bit' needs CUDA (bitsandbytes); allowed here: adamw, adafactor, lion, sgd")
-        if importlib.util.find_spec("bitsandbytes") is None:
-            raise UserError("optim = 'adamw_8bit' needs the bitsandbytes package: pip install bitsandbytes")
+    _check_optimizer(params.optim, device)
     if params.adapter.type == "qlora":
         if device.type != "cuda":
             raise UserError(QLORA_NEEDS_CUDA + "; device: auto found no GPU here")
         if importlib.util.find_spec("bitsandbytes") is None:
             raise UserError("adapter.type = 'qlora' needs the bitsandbytes package: pip install bitsandbytes")
+
+
+def _check_optimizer(name: str, device: torch.device) -> None:
+    """The optimizer's needs (`pipelines.optimizer_registry`): CUDA, and its package."""
+    entry = OPTIMIZERS[name]
+    if entry.cuda_only and device.type != "cuda":
+        allowed = ", ".join(n for n, e in OPTIMIZERS.items() if not e.cuda_only)
+        raise UserError(f"optim = {name!r} needs CUDA ({entry.package}); allowed here: {allowed}")
+    if entry.package is not None and importlib.util.find_spec(entry.package) is None:
+        raise UserError(f"optim = {name!r} needs the {entry.package} package: pip install {entry.package}")
 
 
 QLORA_NEEDS_CUDA = (

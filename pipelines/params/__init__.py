@@ -13,6 +13,7 @@ only pydantic and PyYAML on purpose: it must not pay for torch or Ray before it 
     errors, loading, overrides: reading and overriding params
 """
 
+from pipelines.optimizer_registry import FSDP_OPTIMIZERS
 from pipelines.params.errors import ParamsError, format_validation_error
 from pipelines.params.fields import (
     GENERATOR_SOURCE,
@@ -32,7 +33,6 @@ from pipelines.params.loading import load_params, parse_params, ray_address, res
 from pipelines.params.overrides import apply_overrides, flatten_params, set_dotted
 from pipelines.params.schema import Params
 from pipelines.params.sections import (
-    FSDP_OPTIMIZERS,
     AdapterParams,
     DataParams,
     DistributedParams,

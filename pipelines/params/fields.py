@@ -11,9 +11,11 @@ from pydantic import BaseModel, ConfigDict, PlainValidator
 from pydantic_core import PydanticCustomError
 
 from pipelines.gpu_profiles import GPU_PROFILES
+from pipelines.optimizer_registry import OPTIMIZERS
 from pipelines.task_registry import TASKS
 
-Optimizer = Literal["adamw", "adafactor", "adamw_8bit", "lion", "sgd"]
+# The registered optimizers (pipelines.optimizer_registry), as the task names come from the task registry.
+Optimizer = Literal[tuple(OPTIMIZERS)]  # type: ignore[valid-type]
 Precision = Literal["fp32", "fp16", "bf16", "auto"]
 LrSchedule = Literal["constant", "linear", "cosine", "onecycle", "cyclic", "reduce_on_plateau"]
 DeviceName = Literal["auto", "cpu", "cuda"]

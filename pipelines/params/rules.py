@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from pipelines.params.sections import FSDP_OPTIMIZERS
+from pipelines.optimizer_registry import FSDP_OPTIMIZERS
 
 # The rules read a schema.Params; typed Any so this module never imports the schema, which imports it.
 Params = Any

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
+from pipelines.optimizer_registry import optimizers_described
 from pipelines.params.errors import ParamsError, inner_problems
 from pipelines.params.fields import (
     BatchSize,
@@ -45,8 +46,7 @@ class Params(StrictModel):
         description="causal_lm: also learn the prompt's tokens (false: only the response's tokens count in the loss)."
     )
     optim: Optimizer = Field(
-        description="Optimizer: adamw (two moments per parameter), adafactor (factored second moment), adamw_8bit "
-        "(bitsandbytes, CUDA), lion (one moment: half of AdamW's state; use a 3-10x lower lr), sgd (momentum)."
+        description=f"Optimizer: {optimizers_described()}."
     )
     precision: Precision = Field(description="fp32, fp16 (autocast + loss scaling), bf16 (autocast), or auto.")
     batch_size: BatchSize = Field(

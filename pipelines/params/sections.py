@@ -178,8 +178,6 @@ class EvalParams(StrictModel):
     )
 
 
-# Optimizers whose update is elementwise, so they run unchanged on FSDP's sharded (DTensor) weights.
-FSDP_OPTIMIZERS = ("adamw", "sgd")
 
 
 class DistributedParams(StrictModel):

@@ -37,6 +37,7 @@ import torch
 
 from pipelines.errors import UserError
 from pipelines.gpu_profiles import gpu_profile
+from pipelines.optimizer_registry import OPTIMIZERS
 from pipelines.params import Params, apply_overrides
 from pipelines.resolve.memory_plan import MB, MemoryPlan
 from pipelines.resolve.target import PlanTarget, as_target
@@ -136,10 +137,9 @@ def _checkpointing(target: PlanTarget) -> list[dict[str, object]]:
 
 
 def _tiers(params: Params, target: PlanTarget, lora_allowed: bool, planning: bool) -> Iterator[list[dict[str, object]]]:
-    optimizers = ["adafactor"]
-    if target.card is not None and (planning or importlib.util.find_spec("bitsandbytes") is not None):
-        optimizers.append("adamw_8bit")
-    lean = [{"optim": name} for name in optimizers if name != params.optim]
+    lean = [{"optim": name} for name, entry in OPTIMIZERS.items() if entry.lean and name != params.optim
+            and (not entry.cuda_only or target.card is not None)
+            and (planning or entry.package is None or importlib.util.find_spec(entry.package) is not None)]  # fmt: skip
     yield [{}]
     yield lean
     if lora_allowed and params.adapter.type == "none":

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -10,6 +12,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from pipelines.errors import UserError
+from pipelines.optimizer_registry import OPTIMIZERS
 from pipelines.params import LrSchedule
 from pipelines.params import Optimizer as OptimizerName
 
@@ -24,47 +27,86 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def _adamw(groups: list[dict], lr: float) -> Optimizer:
+    # fused runs one kernel per parameter group (CUDA and, since torch 2.4, CPU): the fastest step.
+    return torch.optim.AdamW(groups, lr=lr, fused=True)
+
+
+def _adafactor(groups: list[dict], lr: float) -> Optimizer:
+    from transformers.optimization import Adafactor
+
+    # Fixed lr (no relative step) so the schedule controls it like the other optimizers.
+    return Adafactor(groups, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False)
+
+
+def _adamw_8bit(groups: list[dict], lr: float) -> Optimizer:
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise UserError("optim = 'adamw_8bit' needs bitsandbytes: pip install bitsandbytes") from None
+    return bnb.optim.AdamW8bit(groups, lr=lr)
+
+
+def _lion(groups: list[dict], lr: float) -> Optimizer:
+    from lion_pytorch import Lion
+
+    # One moment per parameter (the update is its sign): half of AdamW's optimizer state.
+    return Lion(groups, lr=lr)
+
+
+def _sgd(groups: list[dict], lr: float) -> Optimizer:
+    return torch.optim.SGD(groups, lr=lr, momentum=0.9)
+
+
+def _adafactor_type() -> type:
+    from transformers.optimization import Adafactor
+
+    return Adafactor
+
+
+def _lion_type() -> type:
+    from lion_pytorch import Lion
+
+    return Lion
+
+
+def _adamw_8bit_type() -> type:
+    import bitsandbytes as bnb
+
+    return bnb.optim.AdamW8bit
+
+
+@dataclass(frozen=True)
+class Builder:
+    """How a registered optimizer (`pipelines.optimizer_registry`) is built, and its class (imported only when
+    asked: recognising a built optimizer must not import bitsandbytes)."""
+
+    build: Callable[[list[dict], float], Optimizer]
+    optimizer_type: Callable[[], type]
+
+
+# One entry per registered optimizer (tests/pipelines/train/test_optimizers.py holds the two in step).
+BUILDERS: dict[str, Builder] = {
+    "adamw": Builder(_adamw, lambda: torch.optim.AdamW),
+    "adafactor": Builder(_adafactor, _adafactor_type),
+    "adamw_8bit": Builder(_adamw_8bit, _adamw_8bit_type),
+    "lion": Builder(_lion, _lion_type),
+    "sgd": Builder(_sgd, lambda: torch.optim.SGD),
+}
+
+
 def build_optimizer(
     name: OptimizerName, model: nn.Module, lr: float, weight_decay: float, device: torch.device
 ) -> Optimizer:
     """Build the named optimizer over `model`'s trainable parameters."""
-    groups = _param_groups(model, weight_decay)
-    if name == "adamw":
-        # fused runs one kernel per parameter group (CUDA and, since torch 2.4, CPU): the fastest step.
-        fast = {"fused": True}
-        return torch.optim.AdamW(groups, lr=lr, **fast)
-    if name == "adafactor":
-        from transformers.optimization import Adafactor
-
-        # Fixed lr (no relative step) so the schedule controls it like the other optimizers.
-        return Adafactor(groups, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False)
-    if name == "adamw_8bit":
-        try:
-            import bitsandbytes as bnb
-        except ImportError:
-            raise UserError("optim = 'adamw_8bit' needs bitsandbytes: pip install bitsandbytes") from None
-        return bnb.optim.AdamW8bit(groups, lr=lr)
-    if name == "lion":
-        from lion_pytorch import Lion
-
-        # One moment per parameter (the update is its sign): half of AdamW's optimizer state.
-        return Lion(groups, lr=lr)
-    if name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=0.9)
-    raise UserError(f"optim = {name!r} is not known")
+    if name not in BUILDERS:
+        raise UserError(f"optim = {name!r} is not known; allowed: {', '.join(BUILDERS)}")
+    return BUILDERS[name].build(_param_groups(model, weight_decay), lr)
 
 
 def _zero_fresh_optimizers() -> tuple[type, ...]:
-    from transformers.optimization import Adafactor
-
-    types: list[type] = [torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, Adafactor]
-    try:
-        from lion_pytorch import Lion
-
-        types.append(Lion)
-    except ImportError:
-        pass
-    return tuple(types)
+    """The classes of the registered optimizers whose fresh state is zeros (`OptimizerEntry.fresh_state_is_zeros`)."""
+    return tuple(BUILDERS[name].optimizer_type() for name, entry in OPTIMIZERS.items() if entry.fresh_state_is_zeros)
 
 
 def create_fresh_state(model: nn.Module, optimizer: Optimizer) -> bool:
@@ -74,7 +116,7 @@ def create_fresh_state(model: nn.Module, optimizer: Optimizer) -> bool:
     trainer track its own first step instead of running the first window twice more. One step at lr 0 over
     zero gradients allocates the state and moves no weight (weight decay is scaled by lr too); the state is
     then zeroed, step counts included, which is exactly the lazily created fresh state of the optimizers
-    listed here (moments, factored second moments, momentum buffers, Lion's moment). An optimizer whose
+    registered with `fresh_state_is_zeros` (moments, factored second moments, momentum buffers, Lion's moment). An optimizer whose
     fresh state is not zeros (bitsandbytes' quantization maps) returns False and is probed the old way.
     """
     if type(optimizer) not in _zero_fresh_optimizers():

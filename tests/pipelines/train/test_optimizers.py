@@ -23,3 +23,18 @@ def test_lion_trains_and_keeps_half_of_adamws_state(default_params):
     losses = [point["loss"] for point in results["lion"].history]
     assert losses[-1] < 0.8 * losses[0], losses  # it learns
     assert lion["val_accuracy"] > 0.6
+
+
+def test_every_registered_optimizer_has_a_builder_and_the_schema_allows_exactly_those():
+    """Adding an optimizer is one registry entry and one builder: the schema, the FSDP rule, the runtime check,
+    strategy: auto's lean tier and the warm-up's fresh-state rule all read the registry."""
+    from typing import get_args
+
+    from pipelines.optimizer_registry import FSDP_OPTIMIZERS, OPTIMIZERS
+    from pipelines.params import Optimizer
+    from pipelines.train.optim import BUILDERS, _zero_fresh_optimizers
+
+    assert list(BUILDERS) == list(OPTIMIZERS) == list(get_args(Optimizer))
+    assert FSDP_OPTIMIZERS == ("adamw", "sgd")
+    fresh = {t.__name__ for t in _zero_fresh_optimizers()}
+    assert fresh == {"AdamW", "Adafactor", "Lion", "SGD"}  # not bitsandbytes' 8-bit AdamW (its maps are not zeros)
