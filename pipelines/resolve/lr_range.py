@@ -34,6 +34,7 @@ from pipelines.data.tokenization import TokenizedSplit
 from pipelines.params import LrRangeTestParams, Params, apply_overrides
 from pipelines.runtime import Runtime
 from pipelines.tasks.base import Task
+from pipelines.train.measurement import rng_preserved
 from pipelines.train.optim import build_optimizer
 from pipelines.train.step import TrainStep, make_scaler
 from pipelines.train.windows import plan_windows, training_sampler, window_units
@@ -116,8 +117,6 @@ def lr_range_test(
     model.to(device).train()
     trainable = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
 
     rates = exponential_rates(settings)
     optimizer = build_optimizer(params.optim, model, float(rates[0]), params.weight_decay, device)
@@ -134,18 +133,19 @@ def lr_range_test(
     smoothed: list[float] = []
     best = math.inf
     try:
-        for rate, window in zip(rates, windows, strict=False):
-            for group in optimizer.param_groups:
-                group["lr"] = float(rate)
-            batches = [to_device(b, device) for b in make_loader(train, window, in_process(params), runtime, task)]
-            outcome = step(batches, window_units(window, units))
-            value = float(outcome.loss)  # one sync per step: the sweep needs the value to decide whether to stop
-            lrs.append(float(rate))
-            losses.append(value)
-            smoothed = smooth(losses, settings.smoothing)
-            if not math.isfinite(value) or smoothed[-1] > settings.divergence * best:
-                break
-            best = min(best, smoothed[-1])
+        with rng_preserved(device):  # the sweep draws no dropout mask of the run's
+            for rate, window in zip(rates, windows, strict=False):
+                for group in optimizer.param_groups:
+                    group["lr"] = float(rate)
+                batches = [to_device(b, device) for b in make_loader(train, window, in_process(params), runtime, task)]
+                outcome = step(batches, window_units(window, units))
+                value = float(outcome.loss)  # one sync per step: the sweep needs the value to decide whether to stop
+                lrs.append(float(rate))
+                losses.append(value)
+                smoothed = smooth(losses, settings.smoothing)
+                if not math.isfinite(value) or smoothed[-1] > settings.divergence * best:
+                    break
+                best = min(best, smoothed[-1])
     finally:
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -153,9 +153,6 @@ def lr_range_test(
                     p.copy_(trainable[name])
             for name, b in model.named_buffers():
                 b.copy_(buffers[name])
-        torch.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
         model.zero_grad(set_to_none=True)
     finite = [i for i, s in enumerate(smoothed) if math.isfinite(s)]
     curve_lrs, curve = [lrs[i] for i in finite], [smoothed[i] for i in finite]

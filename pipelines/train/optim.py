@@ -116,8 +116,9 @@ def create_fresh_state(model: nn.Module, optimizer: Optimizer) -> bool:
     trainer track its own first step instead of running the first window twice more. One step at lr 0 over
     zero gradients allocates the state and moves no weight (weight decay is scaled by lr too); the state is
     then zeroed, step counts included, which is exactly the lazily created fresh state of the optimizers
-    registered with `fresh_state_is_zeros` (moments, factored second moments, momentum buffers, Lion's moment). An optimizer whose
-    fresh state is not zeros (bitsandbytes' quantization maps) returns False and is probed the old way.
+    registered with `fresh_state_is_zeros` (moments, factored second moments, momentum buffers, Lion's moment).
+    An optimizer whose fresh state is not zeros (bitsandbytes' quantization maps) returns False and is probed the
+    old way.
     """
     if type(optimizer) not in _zero_fresh_optimizers():
         return False

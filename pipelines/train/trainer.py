@@ -10,7 +10,6 @@ peaks are paused around everything that is not training.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -26,14 +25,14 @@ from pipelines.errors import UserError
 from pipelines.params import Params
 from pipelines.runtime import Runtime
 from pipelines.train.checkpoint import LoopState, find_resumable, restore, save_checkpoint
-from pipelines.train.memory import MemoryAtPeak, gradient_bytes, restored_after, track_step, track_training_peak
+from pipelines.train.measurement import TrainingMeter, probe_memory
+from pipelines.train.memory import MemoryAtPeak, gradient_bytes, track_step
 from pipelines.train.memory_levers import apply_memory_levers
 from pipelines.train.optim import build_optimizer, build_scheduler, create_fresh_state
 from pipelines.train.out_of_memory import OUT_OF_MEMORY, recover_from_out_of_memory
 from pipelines.train.parallel import gather_full_weights, replicate, shard, uses_fsdp
 from pipelines.train.results import all_reduce, final_metrics, reduce_final_metrics, world
 from pipelines.train.step import StepOutcome, TrainStep, make_scaler
-from pipelines.train.timing import StepClock, timed
 from pipelines.train.validation import evaluate_split
 from pipelines.train.windows import (
     WindowCounts,
@@ -124,7 +123,7 @@ class Trainer:
         self.start(setup_start)
         while self.state.epoch < self.params.epochs:
             self.epoch()
-        self.pause_training()
+        self.meter.pause()
         metrics = final_metrics(self.state, self.model, self.optimizer, self.device, compiled=self.params.compile)
         if self.fsdp:  # the metrics are this rank's shards'
             gather_full_weights(self.model, self.whole, self.rank, self.device)
@@ -156,17 +155,13 @@ class Trainer:
         if self.params.compile:
             forward = torch.compile(forward)
         self.train_step = self.train_step.through(forward)
-        self.clocks = self.state.clocks
-        self.clocks["setup_time_s"] = self.clocks.get("setup_time_s", 0.0) + time.perf_counter() - setup_start
-        self.clock = StepClock(self.device, self.clocks, self.state.step_times)
+        self.meter = TrainingMeter(self.device, self.state, setup_start)  # clocks and CUDA peaks, beside the loop
         state, device = self.state, self.device
         self.logged_loss = torch.tensor(state.logged_loss, device=device)  # summed on device; read at log points
         # Counted on the device so the loop never waits to check: [consecutive non-finite, total non-finite, skipped].
         self.counters = torch.tensor(
             [state.nonfinite_consecutive, state.nonfinite_total, state.skipped_total], device=device
         )
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
 
     def measure_memory(self) -> MemoryAtPeak | None:
         """Peak training memory and its breakdown from two runs of the first window; the weights are then put back."""
@@ -175,8 +170,7 @@ class Trainer:
         loader = make_loader(self.train, first_window, in_process(self.params), self.runtime, self.task)
         batches = [to_device(batch, self.device) for batch in loader]
         units = window_units(first_window, self.units)
-        return _measure_memory(self.model, self.optimizer, self.train_step.scaler,
-                               lambda meter: self.train_step(batches, units, meter), self.device, self.say)  # fmt: skip
+        return probe_memory(self.train_step, lambda meter: self.train_step(batches, units, meter), self.say)
 
     def epoch(self) -> None:
         """One epoch's windows, resumed mid-epoch when the state says so, then its end."""
@@ -206,9 +200,9 @@ class Trainer:
     def step(self, loader: Iterator[Any], micro_batches: int, divisor: float) -> WindowStep | None:
         """Fetch the next window's batches and run the step on them; None when it ran out of memory."""
         warmup = self.state.step == 0
-        region = timed(self.device, self.clocks, "warmup_time_s") if warmup else nullcontext()
+        region = self.meter.region("warmup_time_s") if warmup else nullcontext()
         if not warmup:
-            self.resume_training()
+            self.meter.resume()
         try:
             with region:
                 batches, counts = fetch_window(loader, micro_batches, self.device)
@@ -253,13 +247,13 @@ class Trainer:
         if warmup:
             # The warm-up step is not timed, but it is training, and usually the largest (the longest batch comes
             # first, and the optimizer state is created in it): keep its peak before the next step's reset.
-            self.keep_cuda_peaks()
+            self.meter.keep_cuda_peaks()
         else:
-            self.clock.lap()
+            self.meter.clock.lap()
             state.add_timed(counts.rows, counts.tokens, counts.positions, counts.wait_s)
         if state.step % params.log_every_n_steps == 0 or state.step == self.total_steps:
             self.log_point(epoch)
-            self.clock.read_laps()
+            self.meter.clock.read_laps()
             if state.nonfinite_consecutive >= params.max_nonfinite_steps:
                 raise NonFiniteLoss(
                     f"the loss was not finite for {state.nonfinite_consecutive} optimizer steps in a row "
@@ -297,9 +291,9 @@ class Trainer:
     def end_epoch(self, epoch: int) -> None:
         """Validate (on its own clock), step a per-epoch schedule, checkpoint, and tell the caller."""
         state = self.state
-        self.pause_training()
+        self.meter.pause()
         if self.validation is not None:
-            with timed(self.device, self.clocks, "val_time_s"):
+            with self.meter.region("val_time_s"):
                 state.val_metrics = evaluate_split(self.model, self.validation, self.params, self.runtime, self.task)
         if self.per_epoch_schedule:
             # On the validation loss; without validation, on the epoch's last logged training loss.
@@ -310,59 +304,10 @@ class Trainer:
         if self.on_epoch_end:
             self.on_epoch_end(epoch + 1, state.step, state.val_metrics)
 
-    def pause_training(self) -> None:
-        """Stop the step clock; on CUDA keep the training segment's peaks (validation's must not count)."""
-        self.clock.stop()
-        self.keep_cuda_peaks()
-
-    def keep_cuda_peaks(self) -> None:
-        """Fold the CUDA allocator's peaks since its last reset into the run's (no-op on CPU)."""
-        if self.device.type == "cuda":
-            state = self.state
-            state.cuda_peak_allocated = max(state.cuda_peak_allocated, torch.cuda.max_memory_allocated(self.device))
-            state.cuda_peak_reserved = max(state.cuda_peak_reserved, torch.cuda.max_memory_reserved(self.device))
-
-    def resume_training(self) -> None:
-        """Start the step clock again (and a fresh CUDA peak), unless it runs."""
-        if self.clock.running:
-            return
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        self.clock.start()
-
     def checkpoint(self) -> None:
         """Every rank holds the same weights and optimizer state: rank 0 alone writes them."""
         if self.checkpoint_dir is not None and self.rank == 0:
-            self.pause_training()
-            with timed(self.device, self.clocks, "checkpoint_time_s"):
+            self.meter.pause()
+            with self.meter.region("checkpoint_time_s"):
                 self.state.logged_loss = float(self.logged_loss)
                 save_checkpoint(self.checkpoint_dir, self.params, self.state, self.train_step, self.scheduler)
-
-
-def _measure_memory(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
-    run_window: Callable[[object], None],
-    device: torch.device,
-    say: Callable[[str], None],
-) -> MemoryAtPeak | None:
-    """Peak training memory and its breakdown from two runs of the first window; the weights are then put back."""
-    scaler_state = scaler.state_dict()
-    rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else []
-    with restored_after(model):  # a host copy of the weights: on a GPU a device copy would skew the peak
-        try:
-            return track_training_peak(model, optimizer, device, run_window)
-        except OUT_OF_MEMORY:
-            say("the memory probe ran out of memory on the first window; training will halve micro-batches")
-            return None
-        finally:
-            optimizer.state.clear()  # rebuilt lazily by the first real step
-            optimizer.zero_grad(set_to_none=True)
-            scaler.load_state_dict(scaler_state)
-            torch.set_rng_state(rng)
-            if cuda_rng:
-                torch.cuda.set_rng_state_all(cuda_rng)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)

@@ -210,7 +210,7 @@ def test_the_memory_probe_leaves_training_exactly_as_without_it(default_params, 
     import pipelines.train.trainer as trainer
 
     probed = run(default_params, model=tiny_model(dropout=0.1), optim=optim).history
-    monkeypatch.setattr(trainer, "_measure_memory", lambda *args, **kwargs: None)
+    monkeypatch.setattr(trainer, "probe_memory", lambda *args, **kwargs: None)
     unprobed = run(default_params, model=tiny_model(dropout=0.1), optim=optim).history
     # Weights, optimizer state, scaler and RNG (dropout masks) are put back: the same losses, bit for bit.
     assert [h["loss"] for h in probed] == [h["loss"] for h in unprobed]
@@ -235,8 +235,12 @@ def test_the_cuda_peak_keeps_the_warmup_step_and_leaves_out_what_follows_a_pause
         def stop(self) -> None:
             self.running = False
 
+    from pipelines.train.measurement import TrainingMeter
+
     trainer = object.__new__(Trainer)  # only the bookkeeping: no model, no CUDA
-    trainer.state, trainer.device, trainer.clock = LoopState(), torch.device("cuda"), Clock()
+    trainer.state, trainer.device = LoopState(), torch.device("cuda")
+    trainer.meter = TrainingMeter(trainer.device, trainer.state, setup_start=0.0)
+    trainer.meter.clock = Clock()
     trainer.params = default_params.model_copy(update={"log_every_n_steps": 100, "checkpoint_every_n_steps": None})
     trainer.counters, trainer.logged_loss = torch.zeros(3, dtype=torch.long), torch.zeros(())
     trainer.per_epoch_schedule, trainer.total_steps = True, 100
@@ -245,11 +249,11 @@ def test_the_cuda_peak_keeps_the_warmup_step_and_leaves_out_what_follows_a_pause
     from pipelines.train.trainer import WindowStep
 
     trainer.after_step(0, WindowStep(StepOutcome(torch.tensor(1.0), torch.tensor(False)), None, warmup=True))
-    trainer.resume_training()  # the next step resets the allocator's peak
+    trainer.meter.resume()  # the next step resets the allocator's peak
     allocator["peak"] = 600
-    trainer.pause_training()  # validation follows: its allocations must not count
+    trainer.meter.pause()  # validation follows: its allocations must not count
     allocator["peak"] = 5000
-    trainer.resume_training()
+    trainer.meter.resume()
     allocator["peak"] = 700
-    trainer.pause_training()
+    trainer.meter.pause()
     assert (trainer.state.cuda_peak_allocated, trainer.state.cuda_peak_reserved) == (900, 901)
