@@ -57,15 +57,40 @@ def emulated_bf16_warning(precision: ResolvedPrecision, device: torch.device) ->
     )
 
 
+@dataclass(frozen=True)
+class PrecisionCapability:
+    """What decides a precision on a device, a local one or a GPU profile alike: is it CUDA, and does it have bf16
+    (on CUDA: supported at all; on a CPU: native, not emulated). `lacks_bf16` says so in a refusal."""
+
+    cuda: bool
+    bf16: bool
+    lacks_bf16: str = ""
+
+    def resolve(self, requested: str) -> ResolvedPrecision:
+        """The one rule: `auto` is bf16 where the device has it, else fp16 on CUDA and fp32 on a CPU; bf16 on a
+        CUDA device without it is refused."""
+        if requested == "auto":
+            return "bf16" if self.bf16 else "fp16" if self.cuda else "fp32"
+        if requested == "bf16" and self.cuda and not self.bf16:
+            raise UserError(f"precision = 'bf16' but {self.lacks_bf16}; use fp16 or fp32")
+        return requested  # type: ignore[return-value]
+
+    def candidates(self) -> list[ResolvedPrecision]:
+        """The precisions `strategy: auto` tries, fastest first on CUDA (auto's pick, then fp32); fp32 first on a
+        CPU, where bf16 pays only with native support (the budget weighs it by `precision_speed`)."""
+        return [self.resolve("auto"), "fp32"] if self.cuda else ["fp32", "bf16"]
+
+
+def local_capability(device: torch.device) -> PrecisionCapability:
+    """This machine's `device`, asked directly."""
+    if device.type == "cuda":
+        return PrecisionCapability(True, torch.cuda.is_bf16_supported(), "this GPU has no bf16 support (pre-Ampere)")
+    return PrecisionCapability(False, cpu_has_fast_bf16())
+
+
 def resolve_precision(params: Params, device: torch.device) -> ResolvedPrecision:
     """Turn `auto` into a concrete precision for this device; reject what it can't run."""
-    if params.precision == "auto":
-        if device.type == "cuda":
-            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-        return "bf16" if cpu_has_fast_bf16() else "fp32"
-    if params.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise UserError("precision = 'bf16' but this GPU has no bf16 support (pre-Ampere); use fp16 or fp32")
-    return params.precision
+    return local_capability(device).resolve(params.precision)
 
 
 def check_runtime(params: Params) -> None:

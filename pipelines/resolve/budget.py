@@ -107,12 +107,6 @@ def largest_fitting_batch(params: Params, plan: Planner, budget: int) -> tuple[P
     return best
 
 
-def _precisions(target: PlanTarget) -> list[str]:
-    if target.card is not None:
-        return ["bf16" if target.card.bf16_flops is not None else "fp16", "fp32"]
-    return ["fp32", "bf16"]
-
-
 def precision_speed(precision: str, where: PlanTarget | torch.device, tf32: bool | str = "auto") -> float:
     """Relative matmul speed of a precision against fp32 on the target (see the module docstring)."""
     target = as_target(where)
@@ -189,7 +183,7 @@ def choose_strategy(
     assert budget is not None, "strategy: auto needs memory_budget (the schema says so)"
     # Refuse fast, but only when it can matter: if the fastest tier-0 candidate fits as it is (the first plan the
     # search makes anyway), something fits, and the leanest plans would be made for nothing.
-    fastest = _candidate(params, {}, _precisions(target)[0], _checkpointing(target)[0])
+    fastest = _candidate(params, {}, target.capability().candidates()[0], _checkpointing(target)[0])
     if plan(apply_overrides(fastest, _batch(fastest, effective_batch(fastest)))).peak > budget:
         _refuse_if_nothing_fits(params, plan, target, budget, lora_allowed)
     for tier, changes in enumerate(_tiers(params, target, lora_allowed, planning)):
@@ -221,7 +215,7 @@ def _refuse_if_nothing_fits(params: Params, plan: Planner, target: PlanTarget, b
             (candidate, plan(candidate))
             for candidate in (
                 apply_overrides(params, {**lean, **_batch(params, 1), "precision": precision, **checkpointing})
-                for precision in _precisions(target)
+                for precision in target.capability().candidates()
                 for checkpointing in (_checkpointing(target)[0], _checkpointing(target)[-1])  # none, and leanest
             )
         ),
@@ -247,7 +241,7 @@ def _fits_in_tier(
     """
     fits = []
     for change in changes:
-        for precision in _precisions(target):
+        for precision in target.capability().candidates():
             for checkpointing in _checkpointing(target):
                 found = largest_fitting_batch(_candidate(params, change, precision, checkpointing), plan, budget)
                 if found is None:

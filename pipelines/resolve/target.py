@@ -18,7 +18,7 @@ from pipelines.errors import UserError
 from pipelines.gpu_profiles import GPU_PROFILES, GpuProfile, gpu_profile, profile_for_device
 from pipelines.params import Params
 from pipelines.resolve.cuda_plan import CudaAttention, CudaAutocast, allocation_rounding
-from pipelines.runtime import ResolvedPrecision, autocast_rules, resolve_precision
+from pipelines.runtime import PrecisionCapability, ResolvedPrecision, autocast_rules, local_capability
 
 CUDA = torch.device("cuda")
 CPU = torch.device("cpu")
@@ -42,14 +42,15 @@ class PlanTarget:
 
     def precision(self, params: Params) -> ResolvedPrecision:
         """`precision` resolved as a run on the target would resolve it; bf16 on a card without it is refused."""
+        return self.capability().resolve(params.precision)
+
+    def capability(self) -> PrecisionCapability:
+        """The target's precision capability: the card's profile, or this CPU."""
         if self.card is None:
-            return resolve_precision(params, CPU)
-        has_bf16 = self.card.bf16_flops is not None
-        if params.precision == "auto":
-            return "bf16" if has_bf16 else "fp16"
-        if params.precision == "bf16" and not has_bf16:
-            raise UserError(f"precision = 'bf16' but target_device {self.card.name} has no bf16; use fp16 or fp32")
-        return params.precision
+            return local_capability(CPU)
+        return PrecisionCapability(
+            True, self.card.bf16_flops is not None, f"target_device {self.card.name} has no bf16"
+        )
 
     @contextmanager
     def rules(self) -> Iterator[None]:
