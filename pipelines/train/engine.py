@@ -61,10 +61,11 @@ def train_model(
 ) -> TrainResult:
     """Train `model` in place for `params.epochs` on `device` in `precision`, and return what was measured.
 
-    The entry point for callers outside a trial (benchmarks, tests): the runtime is resolved here from `params`,
-    then `run_training` trains. `task` defaults to the one `params.task` names.
+    The entry point for callers outside a trial (benchmarks, tests): the training split (packed with
+    data.packing) and the runtime are resolved here from `params`, then `run_training` trains. `task` defaults to the one `params.task` names.
     """
     task = task or _named_task(params)
+    train = task.training_split(train, params, model)  # packs, with data.packing (a trial packs in its setup)
     runtime = replace(resolve_runtime(params, device, pad_id, precision), loss=resolve_loss(model, params, task))
     return run_training(model, train, validation, params, runtime, on_log=on_log, on_epoch_end=on_epoch_end,
                         checkpoint_dir=checkpoint_dir, say=say, task=task)  # fmt: skip
@@ -85,6 +86,8 @@ def run_training(
 ) -> TrainResult:
     """Train `model` in place for `params.epochs` with a resolved `runtime`, and return what was measured.
 
+    `train` is the training split as trained (`Task.training_split`: packed with data.packing), resolved before.
+
     `task` gives the batches' labels, the loss and the validation metrics; the loop itself is the same for every
     task.
 
@@ -101,7 +104,6 @@ def run_training(
     device = runtime.device
     if not uses_fsdp(params, world()[1]):
         model.to(device)  # under FSDP the shards go to the device, and the whole model stays on the host
-    train = task.training_split(train, params, model)  # packs, with data.packing
     # Inductor draws its own fused dropout masks under compile; CUDA's dropout is already fused.
     use_fast_dropout = params.fast_dropout and device.type == "cpu" and not params.compile
     probe = _probe_inputs(train, runtime.pad_id, task, params) if use_fast_dropout else None
