@@ -62,7 +62,8 @@ def train_model(
     """Train `model` in place for `params.epochs` on `device` in `precision`, and return what was measured.
 
     The entry point for callers outside a trial (benchmarks, tests): the training split (packed with
-    data.packing) and the runtime are resolved here from `params`, then `run_training` trains. `task` defaults to the one `params.task` names.
+    data.packing) and the runtime are resolved here from `params`, then `run_training` trains. `task` defaults
+    to the one `params.task` names.
     """
     task = task or _named_task(params)
     train = task.training_split(train, params, model)  # packs, with data.packing (a trial packs in its setup)
