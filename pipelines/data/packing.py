@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from pipelines.data.tokenization import TokenizedSplit
+from pipelines.runtime import eval_mode
 
 IGNORE = -100  # label of a position the loss skips: torch's ignore_index
 
@@ -124,17 +125,13 @@ def check_isolation(model: nn.Module, vocab_size: int, tolerance: float = 1e-6) 
     kernels and they agree exactly (`tolerance` allows for non-deterministic reductions); a
     model that lets them attend to each other moves them by about 1e-3 even at random init.
     """
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         device = next(model.parameters()).device
         ids = torch.randint(0, max(vocab_size, 2), (2, 8), generator=torch.Generator().manual_seed(0))
         ids[1, 4:] = ids[0, 4:]  # the same second example after two different first ones
         positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2)
         logits = model(input_ids=ids.to(device), position_ids=positions.to(device), use_cache=False).logits
         worst = float((logits[0, 4:].float() - logits[1, 4:].float()).abs().max())
-    finally:
-        model.train(was_training)
     if worst <= tolerance:
         return None
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft

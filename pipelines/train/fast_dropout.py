@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipelines.runtime import eval_mode
+
 _LANES = 65536
 ATTENTION_NAME = "sdpa_fast_dropout"
 FP32_TOLERANCE = 1e-6
@@ -193,10 +195,9 @@ def _logits(model: nn.Module, inputs: dict[str, torch.Tensor], dtype: torch.dtyp
 
 def attention_mismatch(model: nn.Module, inputs: dict[str, torch.Tensor], bf16: bool) -> str | None:
     """Run `inputs` at p=0 through the stock and the fast attention; say how they differ, or None."""
-    was_training = model.training
     original = model.config._attn_implementation
-    model.eval()  # p=0: the comparison is of the attention arithmetic and masks, not of random masks
-    try:
+    # Eval mode, p=0: the comparison is of the attention arithmetic and masks, not of random masks.
+    with eval_mode(model):
         checks = [(None, FP32_TOLERANCE)] + ([(torch.bfloat16, BF16_TOLERANCE)] if bf16 else [])
         for dtype, tolerance in checks:
             stock = _logits(model, inputs, dtype)
@@ -214,8 +215,6 @@ def attention_mismatch(model: nn.Module, inputs: dict[str, torch.Tensor], bf16: 
             if not worst <= tolerance:
                 return f"{name}: outputs differ from the stock attention by {worst:.2e} (tolerance {tolerance:.0e})"
         return None
-    finally:
-        model.train(was_training)
 
 
 @contextmanager
