@@ -22,9 +22,10 @@ def free_device_memory() -> None:
 
 def run_trainer(
     params: Params, make_model: Any, train: TokenizedSplit, test: TokenizedSplit, meta: dict[str, int],
-    device: torch.device,
+    device: torch.device, **arguments: Any,
 ) -> dict[str, float]:  # fmt: skip
-    """The Hugging Face Trainer on the same rows, batch, lr, schedule and precision, with `group_by_length`."""
+    """The Hugging Face Trainer on the same rows, batch, lr, schedule and precision, with `group_by_length`;
+    `arguments` override its TrainingArguments (`torch_compile=True`, `train_sampling_strategy="random"`)."""
     import tempfile
 
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -72,7 +73,7 @@ def run_trainer(
             max_grad_norm=params.max_grad_norm, bf16=params.precision == "bf16", use_cpu=device.type == "cpu",
             train_sampling_strategy="group_by_length", report_to="none", save_strategy="no", eval_strategy="no",
             logging_strategy="no", disable_tqdm=True, seed=params.seed, dataloader_num_workers=params.num_workers,
-            dataloader_pin_memory=params.pin_memory and device.type == "cuda",
+            dataloader_pin_memory=params.pin_memory and device.type == "cuda", **arguments,
         )  # fmt: skip
         trainer = Trainer(model=model, args=args, train_dataset=rows(train), data_collator=collate, callbacks=[clock])
         start = time.perf_counter()

@@ -112,7 +112,9 @@ def save_base_reference(params: Params, root: Path, out: Path) -> None:
     name = resolve_model_name(params.model, root)
     base = params.model.model_copy(update={"name_or_path": name})
     out.mkdir(parents=True, exist_ok=True)  # written before the model: the trial's folder may not exist yet
-    (out / BASE_REF).write_text(json.dumps(base.model_dump(mode="json"), indent=2, sort_keys=True) + "\n")
+    # Only what names a pretrained base: model.config builds a model from scratch, which this base is not.
+    reference = base.model_dump(mode="json", exclude={"config"})
+    (out / BASE_REF).write_text(json.dumps(reference, indent=2, sort_keys=True) + "\n")
 
 
 def save_trained(model: nn.Module, out: Path, params: Params) -> nn.Module:
@@ -138,7 +140,8 @@ def load_trained_model(folder: Path, params: Params, task: Task, tokenizer: PreT
         base = task.load_model(folder / BASE_DIR, params.model)
     elif (folder / BASE_REF).is_file():
         reference = json.loads((folder / BASE_REF).read_text(encoding="utf-8"))
-        base_params = params.model_copy(update={"model": params.model.model_validate(reference)})
+        model = params.model.model_validate({**params.model.model_dump(mode="json"), **reference})
+        base_params = params.model_copy(update={"model": model})
         base = task.build_model(base_params, tokenizer, folder, folder)
     else:
         raise UserError(f"{folder}: an adapter without its base ({BASE_DIR}/ or {BASE_REF}); re-run the train stage")

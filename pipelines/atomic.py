@@ -23,6 +23,7 @@ def atomic_dir(target: str | os.PathLike[str]) -> Iterator[Path]:
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would outlive the rename: the mode mkdir would give
     try:
         yield tmp
     except BaseException:
@@ -47,10 +48,18 @@ def atomic_write_text(target: str | os.PathLike[str], text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would outlive the rename: the mode open() would give
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it, then put back: there is no getter)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_json(target: str | os.PathLike[str], data: Any) -> None:

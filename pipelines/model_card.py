@@ -76,12 +76,16 @@ def write_model_card(
     base = base_name or (f"{BASE_DIR}/ beside this card (built from model.config)" if adapter else "model.config")
     front = ["---", f"library_name: {'peft' if adapter else 'transformers'}", f"pipeline_tag: {tag}",
              "tags: [pipelines, " + params.task + (", lora" if adapter else "") + "]"]  # fmt: skip
-    if base_name is not None:
+    local_base = base_name is not None and Path(base_name).is_absolute()
+    if base_name is not None and not local_base:  # the hub's field names a hub id, never a path on one machine
         front.append(f"base_model: {base_name}")
     front.append("---")
+    if local_base:
+        base = f"{Path(base_name).name} (a local folder; on the machine that trained it: {base_name})"  # type: ignore[arg-type]
     rows = [f"| {name} | {value:.4g} |" for name, value in metrics.items()]
+    gguf = f', gguf_file="{params.model.gguf_file}"' if params.model.gguf_file else ""
     load = (
-        f'from peft import {peft_class}\nmodel = {peft_class}.from_pretrained("path/to/this/folder")'
+        f'from peft import {peft_class}\nmodel = {peft_class}.from_pretrained("path/to/this/folder"{gguf})'
         if adapter
         else f'from transformers import pipeline\npipe = pipeline("{tag}", "path/to/this/folder", truncation=True)'
     )
@@ -106,7 +110,7 @@ def write_model_card(
         "```",
     ]
     if adapter and params.model.gguf_file:
-        body += ["", f'The base is a GGUF file: pass `gguf_file="{params.model.gguf_file}"` to `from_pretrained`.']
+        body += ["", f"The base is a GGUF file, `{params.model.gguf_file}` (de-quantized on load): `gguf_file` above."]
     (folder / "README.md").write_text("\n".join(front + body) + "\n", encoding="utf-8")
 
 

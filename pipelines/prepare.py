@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,21 @@ def prepare_dataset(params: Params, root: Path, out_dir: Path) -> dict[str, Any]
         stats[split] = {
             "rows": len(table),
             "truncated_fraction": round(encoded.truncated / len(table), 6),
+            **({"max_length_keeping_95pct": encoded.length_for_95pct} if encoded.length_for_95pct else {}),
             **length_stats(lengths, data, params.batch_size, params.seed, split == "train", pad_multiple),
         }
+        warn_truncation(split, encoded, len(table), data.max_length)
     return stats
+
+
+# Above this share of rows cut, the tokenize stage says so (a few long outliers are normal; a quarter is not).
+TRUNCATION_WARNING_SHARE = 0.05
+
+
+def warn_truncation(split: str, encoded: Any, rows: int, max_length: int) -> None:
+    """Print a warning when more than 5% of a split's rows were cut, with the max_length that keeps 95% whole."""
+    if rows and encoded.truncated / rows > TRUNCATION_WARNING_SHARE:
+        keep = encoded.length_for_95pct
+        keep = f"; data.max_length {keep} would keep 95% of the rows whole" if keep else ""
+        print(f"warning: {split}: {encoded.truncated} of {rows} rows ({encoded.truncated / rows:.0%}) are longer than "
+              f"data.max_length {max_length} and were cut{keep}", file=sys.stderr)  # fmt: skip

@@ -4,7 +4,9 @@ Both follow the engine's log points (every `log_every_n_steps` optimizer steps),
 loop's only host syncs, so watching costs no extra synchronization. The bar shows steps done of
 the total, the loss, samples/s and the time left; inside Ray the trials pass `ray.experimental.tqdm_ray`'s bar,
 which Ray draws on the driver's terminal. When the driver's stdout is not a terminal (CI, a log
-file) there is no bar, only the epoch lines.
+file) there is no bar: a progress line (step, loss, samples/s, time left) at least every 30 s, and the epoch lines.
+The engine adds a log point when 30 s passed without one (`pipelines.train.trainer.PROGRESS_EVERY_S`), so a run
+of slow steps is never silent for long.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from typing import Any
+
+LINE_EVERY_S = 30.0  # without a bar, a progress line at least this often (at the log points)
 
 
 def _duration(seconds: float) -> str:
@@ -35,6 +39,7 @@ class TrialProgress:
         self.start = clock()
         self.step, self.total, self.loss, self.rows, self.rate = 0, 0, float("nan"), 0.0, float("nan")
         self._last: tuple[float, float] | None = None  # (time, rows) at the previous log point
+        self._last_line = self.start  # when the last progress line was said (no bar)
         self._bar: Any = None
 
     def on_log(self, step: int, point: dict[str, float]) -> None:
@@ -48,6 +53,18 @@ class TrialProgress:
         self._last, self.rows = (now, rows), rows
         if self.make_bar is not None:
             self._draw()
+        elif now - self._last_line >= LINE_EVERY_S:
+            self._last_line = now
+            self.say(self.line())
+
+    def line(self) -> str:
+        """Where the trial is: step of total, loss, samples/s, time left."""
+        parts = [f"step {self.step}/{self.total or '?'}", f"loss {self.loss:.4f}"]
+        if self.rate == self.rate:  # not NaN
+            parts.append(f"{self.rate:.1f} samples/s")
+        if self.eta_s() == self.eta_s():
+            parts.append(f"about {_duration(self.eta_s())} left")
+        return ", ".join(parts)
 
     def eta_s(self) -> float:
         """Seconds left at the pace so far (every step alike)."""

@@ -36,6 +36,7 @@ from pipelines.runtime import Runtime, emulated_bf16_warning, resolve_device, re
 from pipelines.tasks import get_task
 from pipelines.tasks.base import Task
 from pipelines.train.checkpoint import discard
+from pipelines.train.compiled_step import use_cache
 from pipelines.train.engine import TrainResult, run_training
 from pipelines.train.flops import flops_metrics
 from pipelines.trial_context import FINAL_KEY, QUALITY_TAG, TrialContext
@@ -177,9 +178,11 @@ def set_up(trial: Trial, params: Params, device: torch.device | None) -> Setup:
 def resolve(trial: Trial, setup: Setup) -> ResolvedTraining:
     """Every `auto` left after the plan (the micro-batch, probed for real on CUDA; the learning rate), logged."""
     planner = setup.planner if trial.rank == 0 else None  # ranks that log nothing plan nothing again
+    use_cache(Path(trial.context.root))  # a compiled step's graphs, kept for the next trial and experiment
     resolved = resolve_training(setup.preflight, planner, setup.model, setup.train, setup.task, setup.runtime)
     plan, sweep = resolved.plan, resolved.lr_sweep
-    trial.logger.log_dict({**(plan.as_metrics() if plan else {}), **(sweep.as_metrics() if sweep else {})})
+    predicted = {} if resolved.predicted_step_ms is None else {"predicted_step_time_ms": resolved.predicted_step_ms}
+    trial.logger.log_dict({**(plan.as_metrics() if plan else {}), **(sweep.as_metrics() if sweep else {}), **predicted})
     if sweep:
         log_lr_range(trial.logger, sweep)
     trial.logger.log_tags(resolved.tags())

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
@@ -21,6 +21,9 @@ from pipelines.errors import UserError
 from pipelines.library_check import check_library_internals
 from pipelines.optimizer_registry import OPTIMIZERS
 from pipelines.params import Params, ray_address
+
+if TYPE_CHECKING:
+    from pipelines.data.batching import Padding, WidthSet
 
 ResolvedPrecision = Literal["fp32", "fp16", "bf16"]
 
@@ -236,6 +239,12 @@ class Runtime:
     pad_multiple: int | None
     pad_id: int
     loss: LossImpl = field(default=FULL_LOSS)
+    widths: WidthSet | None = None  # a compiled step's padded widths (pipelines.train.compiled_step), else the multiple
+
+    @property
+    def padding(self) -> Padding:
+        """How batches are padded: to the compiled step's widths when set, else to the pad multiple."""
+        return self.widths if self.widths is not None else self.pad_multiple
 
     def autocast(self) -> AbstractContextManager[object]:
         """Autocast in this runtime's precision (a no-op in fp32)."""
@@ -253,7 +262,8 @@ class Runtime:
     def notes(self) -> dict[str, str]:
         """The resolved switches as MLflow tags."""
         return {"tf32.resolved": str(self.tf32).lower(), "pad_to_multiple_of.resolved": str(self.pad_multiple),
-                "loss_impl.resolved": self.loss.describe()}  # fmt: skip
+                "loss_impl.resolved": self.loss.describe(),
+                **({"pad_widths.resolved": self.widths.describe()} if self.widths is not None else {})}  # fmt: skip
 
 
 def resolve_runtime(

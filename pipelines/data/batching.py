@@ -10,6 +10,7 @@ batch list the engine can read ahead to weight the last partial accumulation win
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -158,8 +159,45 @@ class LengthGroupedBatchSampler:
         return len(self.batches(self.epoch))
 
 
-def padded_length(longest: int, pad_to_multiple_of: int | None) -> int:
-    """The length a batch is padded to: its longest row, rounded up to the multiple."""
+@dataclass(frozen=True)
+class WidthSet:
+    """A few padded widths every batch is rounded up to: the static shapes a compiled step is built for
+    (`pipelines.train.compiled_step`). A row longer than the widest (a test row) is rounded to `multiple` instead."""
+
+    widths: tuple[int, ...]
+    multiple: int
+
+    def width(self, longest: int) -> int:
+        """The narrowest width that holds `longest`."""
+        for width in self.widths:
+            if width >= longest:
+                return width
+        return -(-longest // self.multiple) * self.multiple
+
+    def describe(self) -> str:
+        """The widths as a tag: `16,32,64`."""
+        return ",".join(str(w) for w in self.widths)
+
+
+# How a batch's width is chosen: a multiple to round up to, a set of widths, or the longest row as it is.
+Padding = int | WidthSet | None
+
+# Widths a compiled step is built for (one graph each): few enough to compile once, and warm, before timing.
+MAX_WIDTHS = 8
+
+
+def width_set(lengths: np.ndarray, multiple: int | None, count: int = MAX_WIDTHS) -> WidthSet:
+    """Up to `count` widths from the length histogram: the lengths at equal steps of the rows' quantiles, rounded
+    up to `multiple` (8 when none), so each width holds about the same share of rows; the longest row's is last."""
+    step = multiple or 8
+    quantiles = np.quantile(np.asarray(lengths), np.arange(1, count + 1) / count, method="higher")
+    return WidthSet(tuple(sorted({-(-int(q) // step) * step for q in quantiles})), step)
+
+
+def padded_length(longest: int, pad_to_multiple_of: Padding) -> int:
+    """The length a batch is padded to: its longest row, rounded up to the multiple or to the width set's next."""
+    if isinstance(pad_to_multiple_of, WidthSet):
+        return pad_to_multiple_of.width(longest)
     if pad_to_multiple_of:
         longest = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
     return longest
@@ -172,7 +210,7 @@ class PadCollator:
     index itself, so workers only slice the memory-mapped arrays in `__call__`.
     """
 
-    def __init__(self, split: TokenizedSplit, pad_id: int, *, fixed_length: int | None, pad_to_multiple_of: int | None):
+    def __init__(self, split: TokenizedSplit, pad_id: int, *, fixed_length: int | None, pad_to_multiple_of: Padding):
         self.input_ids = split.input_ids
         self.lengths = split.lengths
         self.offsets = split.offsets

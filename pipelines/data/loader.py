@@ -25,15 +25,9 @@ if TYPE_CHECKING:
 def make_loader(
     split: TokenizedSplit, batches: list[list[int]], params: Params, runtime: Runtime, task: Task
 ) -> DataLoader:
-    """A DataLoader over precomputed batches of the task's rows; pads dynamically (to the runtime's pad multiple),
+    """A DataLoader over precomputed batches of the task's rows; pads dynamically (to the runtime's padding),
     or to max_length unbucketed; pinned for a CUDA runtime."""
-    collator: PadCollator = task.collator(
-        split,
-        runtime.pad_id,
-        fixed_length=None if params.data.bucketing else params.data.max_length,
-        pad_to_multiple_of=runtime.pad_multiple,
-        params=params,
-    )
+    collator = make_collator(split, params, runtime, task)
     device = runtime.device
     workers = params.num_workers
     return DataLoader(
@@ -47,6 +41,17 @@ def make_loader(
         # Its own generator: iterating a DataLoader draws a seed, which would otherwise come from
         # torch's global RNG and shift every later dropout mask (breaking exact resume).
         generator=torch.Generator().manual_seed(params.seed),
+    )
+
+
+def make_collator(split: TokenizedSplit, params: Params, runtime: Runtime, task: Task) -> PadCollator:
+    """The task's collator for training batches: padded to the runtime's padding, or to max_length unbucketed."""
+    return task.collator(
+        split,
+        runtime.pad_id,
+        fixed_length=None if params.data.bucketing else params.data.max_length,
+        pad_to_multiple_of=runtime.padding,
+        params=params,
     )
 
 

@@ -66,10 +66,16 @@ RULES: tuple[Rule, ...] = (
     Rule(lambda p: p.loss_impl == "chunked" and p.task == "classification",
          lambda p: "loss_impl: chunked chunks a vocabulary projection; task: classification has none (its head "
                    "has one output per class): use loss_impl: auto or full"),
-    Rule(lambda p: p.loss_impl == "chunked" and (p.compile or p.distributed.strategy == "fsdp"),
+    Rule(lambda p: p.loss_impl == "chunked" and (p.compile is True or p.distributed.strategy == "fsdp"),
          lambda p: "loss_impl: chunked calls the output head's weight outside the model's forward, which "
-                   f"{'compile: true would retrace' if p.compile else 'distributed.strategy: fsdp keeps sharded'}; "
+                   f"{'compile: true would retrace' if p.compile is True else 'FSDP keeps sharded'}; "
                    "use loss_impl: auto (full here) or full"),
+    # Measured on an H100 (2026-11-25): Inductor fails on Liger's RMSNorm backward, logs a warning, and the run
+    # trains to uniform predictions (the loss stuck at ln(vocab) from the second step).
+    Rule(lambda p: p.kernels == "liger" and p.compile is True,
+         lambda p: "kernels: liger with compile: true trains a broken model (Inductor cannot compile Liger's "
+                   "RMSNorm backward, and the loss sticks at ln(vocabulary size)); use compile: auto or false "
+                   "with kernels: liger, or kernels: none with compile: true"),
     Rule(lambda p: p.persistent_workers and p.num_workers == 0,
          lambda p: "persistent_workers: true needs num_workers > 0 (there are no workers to keep)"),
     Rule(lambda p: bool(p.distributed.use_gpu) and p.device == "cpu",
@@ -97,7 +103,7 @@ RULES: tuple[Rule, ...] = (
     Rule(lambda p: p.distributed.strategy == "fsdp" and p.adapter.type != "none",
          lambda p: f"distributed.strategy: fsdp with adapter.type = {p.adapter.type!r} is not supported: an "
                    "adapter's trainable weights are small, so use distributed.strategy: ddp"),
-    Rule(lambda p: p.distributed.strategy == "fsdp" and p.compile,
+    Rule(lambda p: p.distributed.strategy == "fsdp" and p.compile is True,
          lambda p: "distributed.strategy: fsdp with compile: true is not supported yet; use compile: false"),
     Rule(lambda p: p.distributed.num_workers > 1 and p.batch_size == "auto",
          lambda p: "batch_size: auto probes one process's memory; with distributed.num_workers > 1 set "

@@ -45,9 +45,7 @@ class Params(StrictModel):
     train_on_prompt: bool = Field(
         description="causal_lm: also learn the prompt's tokens (false: only the response's tokens count in the loss)."
     )
-    optim: Optimizer = Field(
-        description=f"Optimizer: {optimizers_described()}."
-    )
+    optim: Optimizer = Field(description=f"Optimizer: {optimizers_described()}.")
     precision: Precision = Field(description="fp32, fp16 (autocast + loss scaling), bf16 (autocast), or auto.")
     batch_size: BatchSize = Field(
         description="Rows per micro-batch, or `auto`: the largest divisor of effective_batch_size that fits in memory."
@@ -110,7 +108,12 @@ class Params(StrictModel):
     )
     prefetch_factor: PositiveInt = Field(description="Batches each DataLoader worker prepares ahead.")
     pin_memory: bool = Field(description="Pin host batches for faster, non-blocking copies (CUDA only).")
-    compile: bool = Field(description="torch.compile the model.")
+    compile: bool | Literal["auto"] = Field(
+        description="torch.compile the whole step (forward, loss, backward; the optimizer's fused step), one graph "
+        "per padded batch shape (widths rounded to at most 8 from the length histogram), warmed before timing and "
+        "cached under .cache/; CUDA graphs on a GPU. auto: on when the plan predicts its compile time is repaid "
+        "within the run, else off (the tag compile.resolved says why)."
+    )
     tf32: bool | Literal["auto"] = Field(
         description="TF32 matmuls and convolutions on CUDA; auto: on for bf16/fp16 runs, off for fp32 (a real fp32 "
         "baseline). No effect on CPU."

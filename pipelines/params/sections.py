@@ -178,8 +178,6 @@ class EvalParams(StrictModel):
     )
 
 
-
-
 class DistributedParams(StrictModel):
     """Data-parallel training inside each trial (Ray Train workers, DDP)."""
 

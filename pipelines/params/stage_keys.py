@@ -59,7 +59,10 @@ def refuse_tokenize_keys(where: str, keys: list[str]) -> None:
 
 # Each stage's params, as dvc.yaml lists them (a section covers all its keys). The train stage lists only
 # the data keys training itself reads: the rest reach it through data/tokenized, which tokenize rebuilds.
+# `validate` lists the whole file (WHOLE_FILE): any change, an added key included, re-runs it.
+WHOLE_FILE = "params.yaml"
 STAGE_PARAMS: dict[str, tuple[str, ...]] = {
+    "validate": (WHOLE_FILE,),
     "tokenize": ("task", "data", "model", "seed", "batch_size", "device"),
     "train": (
         "task", "train_on_prompt", "optim", "precision", "batch_size", "grad_accum_steps", "grad_checkpointing",

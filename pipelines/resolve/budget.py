@@ -12,12 +12,15 @@ trained, not just how:
 1. a memory-lean optimizer (Adafactor; 8-bit AdamW on CUDA with bitsandbytes), same grid;
 2. LoRA (the adapter section's rank and targets, with Adafactor as well), when the run has none.
 
-Within a tier the plan with the highest predicted throughput wins: the fewest executed FLOPs per
-optimizer step (torch's FlopCounterMode on the same fake step: checkpointing's recompute and
-LoRA's skipped weight gradients show in it) divided by the precision's relative speed. On a card that is
-the ratio of its data-sheet dense peaks (`pipelines.gpu_profiles`: bf16 against TF32 when `tf32` is on, else
-against plain fp32: 14.8x on an H100). On a CPU, bf16 counts 2x where it is native (AVX-512 BF16 or AMX: ~2x
-measured in our CPU bench) and 1/17 where it is emulated (a MiniLM step took 17x as long on an AVX2 host).
+Within a tier the plan with the shortest predicted step time on the target wins (`pipelines.resolve.step_time`):
+its executed FLOPs per optimizer step (torch's FlopCounterMode on the same fake step: checkpointing's recompute and
+LoRA's skipped weight gradients show in it) at an achievable share of the precision's peak, and its kernel
+launches (the ops the same fake step dispatches) at the host's cost per launch; on a card the longer of the two
+(launches overlap the arithmetic), on a CPU their sum. So a micro-batch of 8 x 4 with checkpointing, which does
+four times the launches for the same rows, ranks behind the plain step on a fast card where launches dominate.
+The precision's peak on a card is its data sheet's (`pipelines.gpu_profiles`: bf16 against TF32 when `tf32` is
+on, else against plain fp32: 14.8x on an H100); on a CPU bf16 counts 2x where it is native (AVX-512 BF16 or AMX:
+~2x measured in our CPU bench) and 1/17 where it is emulated (a MiniLM step took 17x as long on an AVX2 host).
 Ties go to the larger micro-batch (fewer, fuller kernels), then to the fewest changes from the params as written.
 Leaner checkpointing is planned only while the setting before it does not fit at the full micro-batch (it
 only adds recompute FLOPs), and the leanest plans (the refusal) only when the fastest candidate does not fit.
@@ -40,6 +43,7 @@ from pipelines.gpu_profiles import gpu_profile
 from pipelines.optimizer_registry import OPTIMIZERS
 from pipelines.params import Params, apply_overrides
 from pipelines.resolve.memory_plan import MB, MemoryPlan
+from pipelines.resolve.step_time import predict_step
 from pipelines.resolve.target import PlanTarget, as_target
 from pipelines.runtime import EMULATED_BF16_SLOWDOWN, cpu_has_fast_bf16
 
@@ -193,7 +197,8 @@ def choose_strategy(
             changed = ", ".join(_changes(params, chosen)) or "nothing changed"
             why = (
                 f"strategy auto (tier {tier} of 2, {len(fits)} plans fit memory_budget {size(budget)}): {changed}; "
-                f"predicted peak {describe(predicted)}; {predicted.step_flops / 1e9:,.2f} GFLOP per step"
+                f"predicted peak {describe(predicted)}; {predicted.step_flops / 1e9:,.2f} GFLOP per step, "
+                f"predicted {1000 * seconds:,.1f} ms per step"
             )
             return Choice(chosen, predicted, why)
     raise AssertionError("the leanest plan fits, so some tier has a plan that fits")
@@ -247,7 +252,8 @@ def _fits_in_tier(
                 if found is None:
                     continue
                 chosen, predicted = found
-                seconds = predicted.step_flops / precision_speed(precision, target, params.tf32)
+                step = predict_step(predicted, precision, target, params.tf32)
+                seconds = step.compiled_s if chosen.compile is True else step.eager_s
                 fits.append((seconds, chosen.grad_accum_steps, len(_changes(params, chosen)), chosen, predicted))
                 if chosen.batch_size == effective_batch(chosen):
                     break

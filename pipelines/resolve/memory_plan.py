@@ -34,6 +34,7 @@ from torch._subclasses.fake_tensor import (
 )
 
 from pipelines.adapters import apply_adapter
+from pipelines.data.batching import padded_length
 from pipelines.data.loader import in_process, make_loader
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
@@ -44,7 +45,7 @@ from pipelines.resolve.target import CPU_TARGET, PlanTarget
 from pipelines.runtime import ResolvedPrecision, Runtime, resolve_pad_multiple
 from pipelines.tasks.base import Task
 from pipelines.train.fast_dropout import fast_dropout
-from pipelines.train.flops import flop_counter
+from pipelines.train.flops import KernelCounter, flop_counter
 from pipelines.train.memory import MemoryAtPeak, track_step
 from pipelines.train.memory_levers import apply_memory_levers, resolve_loss
 from pipelines.train.optim import build_optimizer
@@ -88,6 +89,10 @@ class MemoryPlan:
     eval_peak: int = 0  # validation's largest scoring batch, beside weights and optimizer state (resolve/eval_memory)
     generation_peak: int = 0  # the evaluate stage's largest generation batch, beside the weights (resolve/eval_memory)
     target: str = "cpu"  # the device modelled: cpu or a GPU profile (pipelines.resolve.target)
+    step_kernels: int = 0  # ops the window's forwards and backwards launch, eager (flops.KernelCounter)
+    update_kernels: int = 0  # ops the optimizer update launches (clip, scaler, step, zero)
+    micro_batches: int = 1  # micro-batches in the planned window
+    mean_positions: float = 0.0  # positions of the epoch's average window (the planned one is the longest)
 
     def as_metrics(self) -> dict[str, float]:
         """MLflow names: `predicted_*`, beside the measured `peak_train_memory_bytes` and its breakdown."""
@@ -157,7 +162,7 @@ def peak_micro_batches(batches: list[dict[str, torch.Tensor]]) -> list[dict[str,
 
 def _track_counting_flops(
     step: Callable[[object | None], None], model: nn.Module, optimizer: torch.optim.Optimizer, checkpointing: bool,
-    scale: float,
+    scale: float, kernels: KernelCounter,
 ) -> tuple[MemoryAtPeak, int, int]:  # fmt: skip
     """The tracked step's peak (after an untracked step that makes the optimizer state), the FLOPs of a step as torch
     counts them (matmuls, convolutions, attention) and the model's FLOPs (without checkpointing's recomputed
@@ -166,14 +171,30 @@ def _track_counting_flops(
     The FLOPs are counted in the untracked step: its forward and backward are every step's, and an optimizer step
     has none of those ops. So a plan runs two fake steps, not three (a third, with checkpointing off, for the
     model's FLOPs under checkpointing)."""
-    with flop_counter(model_work=False) as hardware, flop_counter(model_work=True) as model_work:
-        step(None)  # nested dispatch modes each see every op
-    peak = track_step(model, optimizer, CPU, step)
+    with kernels:  # launches: the forwards and backwards of the first step, the update of the second (steady state)
+        with flop_counter(model_work=False) as hardware, flop_counter(model_work=True) as model_work:
+            step(None)  # nested dispatch modes each see every op
+        kernels.step = 1
+        peak = track_step(model, optimizer, CPU, step)
     if checkpointing:
         model.activation_checkpointing_disable()
         with flop_counter(model_work=True) as model_work:
             step(None)
     return peak, int(hardware.get_total_flops() * scale), int(model_work.get_total_flops() * scale)
+
+
+def _phased(
+    step: TrainStep, batches: list[dict[str, torch.Tensor]], units: float, kernels: KernelCounter
+) -> Callable[[object | None], None]:
+    """The plan's step with its ops counted by phase: forwards and backwards (`accumulate`), then the update."""
+
+    def run(meter: object | None) -> None:
+        with kernels.phase("accumulate"):
+            step.accumulate(batches, units, meter)
+        with kernels.phase("update"):
+            step.update()
+
+    return run
 
 
 def _plan_qlora(
@@ -258,17 +279,25 @@ def _unavailable_on_failure(plan: Callable[..., MemoryPlan]) -> Callable[..., Me
 
 def _first_window(
     params: Params, task: Task, train: TokenizedSplit, runtime: Runtime
-) -> tuple[list[list[int]], float, list[dict[str, torch.Tensor]], int]:
+) -> tuple[list[list[int]], float, list[dict[str, torch.Tensor]], int, float]:
     """The first (longest) accumulation window: its rows, loss units, the micro-batches that can set its peak
-    (collated on the host, padded as the trial pads them: the runtime's pad multiple), and all its positions."""
+    (collated on the host, padded as the trial pads them: the runtime's pad multiple), and all its positions; and
+    the mean positions of the epoch's windows (rows x padded width, from the lengths: what an average step computes)."""
     sampler = training_sampler(train, params)
-    window = plan_windows(sampler.batches(0), params.grad_accum_steps)[0]
+    windows = plan_windows(sampler.batches(0), params.grad_accum_steps)
+    window = windows[0]
     units = window_units(window, task.loss_units(train, params))
     batches = [
         {k: v for k, v in batch.items() if k not in _HOST_COUNTS}
         for batch in make_loader(train, window, in_process(params), runtime, task)
     ]
-    return window, units, peak_micro_batches(batches), sum(int(b["num_positions"]) for b in batches)
+
+    def positions(rows: list[int]) -> int:
+        width = padded_length(int(train.lengths[rows].max()), runtime.padding) if params.data.bucketing else None
+        return len(rows) * (width or params.data.max_length)
+
+    mean = sum(positions(rows) for w in windows for rows in w) / len(windows)
+    return window, units, peak_micro_batches(batches), sum(int(b["num_positions"]) for b in batches), mean
 
 
 @_unavailable_on_failure
@@ -298,7 +327,7 @@ def plan_memory(
     start = time.perf_counter()
     # The fake step runs on the CPU, with the trial's precision and its padding on `device`.
     runtime = Runtime(CPU, precision, False, resolve_pad_multiple(params, device), pad_id)
-    window, units, batches, all_positions = _first_window(params, task, train, runtime)
+    window, units, batches, all_positions, mean_positions = _first_window(params, task, train, runtime)
     # The planned micro-batches stand for the whole window: FLOPs scale with its positions (read here: under
     # fake mode, reading a tensor's value is a data-dependent op).
     scale = all_positions / sum(int(b["num_positions"]) for b in batches)
@@ -318,11 +347,12 @@ def plan_memory(
                                params.max_grad_norm, offload)  # fmt: skip
 
         # The engine's CPU dropout (its attention swap needs real outputs to check, so it is not tried here).
-        dropout = fast_dropout(model) if params.fast_dropout and not params.compile else nullcontext()
+        dropout = fast_dropout(model) if params.fast_dropout and params.compile is not True else nullcontext()
+        kernels = KernelCounter()
         with dropout, target.rules():
-            peak, step_flops, model_flops = _track_counting_flops(
-                lambda meter: train_step(batches, units, meter), model, optimizer, params.grad_checkpointing, scale
-            )
+            counted = _phased(train_step, batches, units, kernels)
+            peak, step_flops, model_flops = _track_counting_flops(counted, model, optimizer, params.grad_checkpointing,
+                                                                  scale, kernels)  # fmt: skip
         state = [v for kept in optimizer.state.values() for v in kept.values() if isinstance(v, torch.Tensor)]
         state = [v for v in state if v.numel() > 1]  # as the trial counts: moments and factors, not scalar steps
         with target.rules():
@@ -343,7 +373,10 @@ def plan_memory(
         eval_peak=eval_peak,
         generation_peak=generation,
         target=target.name,
-    )
+        step_kernels=round(kernels.count("accumulate") * len(window) / len(batches)),  # as the FLOPs: for the window
+        update_kernels=kernels.count("update", step=1),
+        micro_batches=len(window), mean_positions=mean_positions,
+    )  # fmt: skip
     if params.distributed.strategy == "fsdp" and params.distributed.num_workers > 1:
         return plan.sharded(params.distributed.num_workers, fsdp_gathered_bytes(model))
     return plan

@@ -3,7 +3,8 @@
 For each target (the CPU or a GPU profile, `pipelines.resolve.target`) and each variant of `tune.variants`:
 the predicted peak allocated, the card's reserve stated beside it (CUDA context, allocator slack:
 `pipelines.gpu_profiles`), whether it fits, and the fastest configuration that fits (`strategy: auto` run
-against the card's memory, or against `memory_budget` on the CPU).
+against the card's memory, or against `memory_budget` on the CPU), and the predicted step time eager and
+compiled with the samples/s it gives (`pipelines.resolve.step_time`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pipelines.params import Params, apply_overrides
 from pipelines.resolve.budget import budget_bytes, choose_strategy
 from pipelines.resolve.memory_plan import MB, MemoryPlan, PlanUnavailable
 from pipelines.resolve.preflight import trial_planner
+from pipelines.resolve.step_time import StepTime, predict_step
 from pipelines.resolve.target import PlanTarget
 
 
@@ -30,6 +32,7 @@ class TargetPlan:
     fits: bool | None = None  # None when there is nothing to fit into (the CPU without memory_budget)
     fastest: str | None = None  # the fastest fitting configuration's changes and plan, or why none fits
     unavailable: str | None = None
+    step: StepTime | None = None  # predicted step time, eager and compiled (pipelines.resolve.step_time)
 
     def as_json(self) -> dict[str, object]:
         """The entry of metrics/plan.json."""
@@ -70,10 +73,11 @@ def _on_target(variant: Params, planner: object, target: PlanTarget, fastest: bo
         plan = planner(variant)  # type: ignore[operator]
     except (PlanUnavailable, UserError) as err:  # e.g. bf16 on a T4: the fastest fitting configuration still says
         return TargetPlan(None, variant.precision, fastest=best, unavailable=str(err))
+    step = predict_step(plan, precision, target, variant.tf32)
     if card is not None:
-        return TargetPlan(plan, precision, card.reserve_bytes(plan.peak), card.fits(plan.peak), best)
+        return TargetPlan(plan, precision, card.reserve_bytes(plan.peak), card.fits(plan.peak), best, step=step)
     fits = None if variant.memory_budget is None else plan.peak <= (budget_bytes(variant) or 0)
-    return TargetPlan(plan, precision, None, fits, best)
+    return TargetPlan(plan, precision, None, fits, best, step=step)
 
 
 def _fastest(variant: Params, planner: object, target: PlanTarget, budget: int | str) -> str:
@@ -91,6 +95,13 @@ def _fastest(variant: Params, planner: object, target: PlanTarget, budget: int |
         return f"none fits: {err}"
 
 
+def _speed(step: StepTime | None) -> str:
+    """Predicted step time eager and compiled, and samples/s eager: three cells."""
+    if step is None:
+        return "— | — | —"
+    return f"{1000 * step.eager_s:,.1f} ms | {1000 * step.compiled_s:,.1f} ms | {step.samples_per_s(False):,.1f}"
+
+
 def _size(value: int | None) -> str:
     return "—" if value is None else f"{value / MB:,.1f} MB"
 
@@ -101,14 +112,15 @@ def target_table(name: str, plans: dict[str, TargetPlan]) -> str:
         f"Target: {name}",
         "",
         "| Variant | Precision | Predicted peak | Reserve | Fits | Parameters | Trainable | Gradients "
-        "| Optimizer state | Activations | Batch | Validation peak | Generation peak |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| Optimizer state | Activations | Batch | Validation peak | Generation peak | Step, eager | Step, compiled "
+        "| Samples/s, eager |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     notes = []
     for variant, entry in plans.items():
         plan = entry.plan
         if plan is None:
-            lines.append(f"| {variant} | {entry.precision} | not planned: {entry.unavailable} |" + "  |" * 10)
+            lines.append(f"| {variant} | {entry.precision} | not planned: {entry.unavailable} |" + "  |" * 13)
             notes += [f"- {variant}, fastest that fits: {entry.fastest}"] if entry.fastest else []
             continue
         fits = "—" if entry.fits is None else "yes" if entry.fits else "no"
@@ -118,7 +130,7 @@ def target_table(name: str, plans: dict[str, TargetPlan]) -> str:
         evaluation = f"{_size(plan.eval_peak)} | {_size(plan.generation_peak or None)}"
         lines.append(
             f"| {variant} | {entry.precision} | " + " | ".join(cells)
-            + f" | {plan.batch_rows} x {plan.batch_width} | {evaluation} |"
+            + f" | {plan.batch_rows} x {plan.batch_width} | {evaluation} | {_speed(entry.step)} |"
         )  # fmt: skip
         if entry.fastest:
             notes.append(f"- {variant}, fastest that fits: {entry.fastest}")

@@ -2,7 +2,8 @@
 
 The preflight (`pipelines.resolve.preflight`) plans before the adapter is applied, since the budget's
 strategy may choose one. Once the model is adapted, what is still `auto` is resolved here: the micro-batch
-(CUDA without a budget: probed for real, then planned) and `lr: auto` (the LR range test). The engine, the
+(CUDA without a budget: probed for real, then planned), `lr: auto` (the LR range test) and `compile: auto` (by the
+plan's predicted step time: `pipelines.resolve.step_time`). The engine, the
 evaluation and the saved folder then read the same decisions, and nothing changes them later.
 """
 
@@ -20,8 +21,10 @@ from pipelines.resolve.budget import Planner
 from pipelines.resolve.lr_range import LrRangeResult, resolve_lr
 from pipelines.resolve.memory_plan import MemoryPlan
 from pipelines.resolve.preflight import Preflight, plan_or_none
+from pipelines.resolve.step_time import predict_compile
 from pipelines.runtime import Runtime
 from pipelines.tasks.base import Task
+from pipelines.train.compiled_step import resolve_compile
 from pipelines.train.memory_levers import resolve_loss
 
 
@@ -36,6 +39,8 @@ class ResolvedTraining:
     plan: MemoryPlan | None
     plan_note: str
     lr_sweep: LrRangeResult | None = None
+    compile_note: str = "off: compile: false"
+    predicted_step_ms: float | None = None  # the plan's predicted average step, as it will run (compiled or not)
 
     def tags(self) -> dict[str, str]:
         """The decisions as MLflow tags."""
@@ -43,6 +48,7 @@ class ResolvedTraining:
             "memory_plan": self.plan_note,
             "batch_size.resolved": str(self.params.batch_size),
             "grad_accum_steps.resolved": str(self.params.grad_accum_steps),
+            "compile.resolved": self.compile_note,
         }
 
 
@@ -63,4 +69,8 @@ def resolve_training(
     params = resolve_batch_size(params, model, width, runtime, task)
     plan = plan_or_none(planner, params) if probed and planner is not None else preflight.plan
     params, sweep = resolve_lr(params, model, train, runtime, task)
-    return ResolvedTraining(params, runtime, plan, preflight.note, sweep)
+    predicted = predict_compile(plan, runtime.precision, runtime.device, params.tf32)
+    params, runtime, choice = resolve_compile(params, runtime, train, task, None if predicted is None else predicted[1])
+    step = None if predicted is None else predicted[0]
+    step_ms = None if step is None else 1000 * (step.compiled_s if choice.enabled else step.eager_s)
+    return ResolvedTraining(params, runtime, plan, preflight.note, sweep, choice.tag(), step_ms)

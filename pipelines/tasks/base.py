@@ -25,7 +25,7 @@ from pipelines.runtime import FULL_LOSS
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from pipelines.data.batching import PadCollator
+    from pipelines.data.batching import PadCollator, Padding
     from pipelines.data.tokenization import TokenizedSplit
     from pipelines.runtime import LossImpl, Runtime
 
@@ -53,10 +53,12 @@ class QualityMetric:
 
 @dataclass(frozen=True)
 class Encoded:
-    """A split after tokenization, and how many of its rows were cut at data.max_length."""
+    """A split after tokenization, how many of its rows were cut at data.max_length, and the max_length that would
+    keep 95% of them whole (0: not known)."""
 
     split: TokenizedSplit
     truncated: int
+    length_for_95pct: int = 0
 
 
 @dataclass(frozen=True)
@@ -155,7 +157,7 @@ class Task(ABC):
         pad_id: int,
         *,
         fixed_length: int | None,
-        pad_to_multiple_of: int | None,
+        pad_to_multiple_of: Padding,
         params: Params,
     ) -> PadCollator:
         """Rows -> a padded batch with this task's `labels`."""

@@ -17,7 +17,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from pipelines.data.batching import PadCollator
+from pipelines.data.batching import PadCollator, Padding
 from pipelines.data.loader import eval_batch_rows
 from pipelines.data.packing import IGNORE, PackedSplit, check_isolation, pack_split, packed_targets
 from pipelines.data.sources import DataError, check_columns
@@ -27,7 +27,7 @@ from pipelines.errors import UserError
 from pipelines.params import DataParams, ModelParams, Params
 from pipelines.runtime import FULL_LOSS, LossImpl, Runtime
 from pipelines.tasks.base import Encoded, EvaluationResult, GenerationProbe, QualityMetric
-from pipelines.tasks.generation import GenerationTask, score_generation
+from pipelines.tasks.generation import GenerationTask, fit_to_length, score_generation
 from pipelines.tasks.linear_ce import projected_cross_entropy, unwrapped
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ def mask_labels(
 class CausalLmCollator(PadCollator):
     """Pads rows on the right; `labels` are the token ids with prompt (unless trained on) and padding masked."""
 
-    def __init__(self, split: TokenizedSplit, pad_id: int, *, train_on_prompt: bool, **kwargs: int | None):
+    def __init__(self, split: TokenizedSplit, pad_id: int, *, train_on_prompt: bool, **kwargs: Padding):
         super().__init__(split, pad_id, **kwargs)  # type: ignore[arg-type]
         assert split.prompt_lengths is not None, "a causal-LM split has prompt lengths"
         self.prompt_lengths = split.prompt_lengths
@@ -77,7 +77,7 @@ class PackedCausalLmCollator(PadCollator):
     `num_rows` counts examples, not packs, so samples/s stays comparable with unpacked runs.
     """
 
-    def __init__(self, split: PackedSplit, pad_id: int, *, train_on_prompt: bool, **kwargs: int | None):
+    def __init__(self, split: PackedSplit, pad_id: int, *, train_on_prompt: bool, **kwargs: Padding):
         super().__init__(split, pad_id, **kwargs)  # type: ignore[arg-type]
         self.split = split
         self.train_on_prompt = train_on_prompt
@@ -221,18 +221,20 @@ class CausalLmTask(GenerationTask):
         # Encoded apart, as generation will see them: the prompt alone, then the model's answer.
         prompt_ids = tokenizer(prompts, add_special_tokens=True)["input_ids"]
         response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
-        eos = tokenizer.eos_token_id
+        eos, bos = tokenizer.eos_token_id, tokenizer.bos_token_id
         limit = params.data.max_length
-        rows, prompt_lengths, truncated = [], [], 0
+        rows, prompt_lengths, truncated, whole = [], [], 0, []
         for prompt, response in zip(prompt_ids, response_ids, strict=True):
-            ids = prompt + response + ([eos] if not response or response[-1] != eos else [])
-            truncated += len(ids) > limit
-            rows.append(ids[:limit])  # cut at the end, as TRL does: long prompts can lose their answer
-            prompt_lengths.append(min(len(prompt), limit))
+            target = response + ([eos] if not response or response[-1] != eos else [])
+            whole.append(len(prompt) + len(target))
+            truncated += whole[-1] > limit
+            kept_prompt, kept_target = fit_to_length(prompt, target, limit, bos)
+            rows.append(kept_prompt + kept_target)
+            prompt_lengths.append(len(kept_prompt))
         lengths = np.fromiter((len(r) for r in rows), dtype=np.int32, count=len(rows))
         flat = np.fromiter((t for r in rows for t in r), dtype=np.int32, count=int(lengths.sum()))
         split = TokenizedSplit(flat, lengths, prompt_lengths=np.asarray(prompt_lengths, dtype=np.int32))
-        return Encoded(split, truncated)
+        return Encoded(split, truncated, int(np.percentile(whole, 95)) if whole else 0)
 
     def build_model(
         self, params: Params, tokenizer: PreTrainedTokenizerBase, meta_dir: Path, root: Path, *, weights: bool = True
@@ -273,7 +275,7 @@ class CausalLmTask(GenerationTask):
         pad_id: int,
         *,
         fixed_length: int | None,
-        pad_to_multiple_of: int | None,
+        pad_to_multiple_of: Padding,
         params: Params,
     ) -> PadCollator:
         collator = PackedCausalLmCollator if isinstance(split, PackedSplit) else CausalLmCollator

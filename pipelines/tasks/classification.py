@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipelines.data.batching import PadCollator
+from pipelines.data.batching import PadCollator, Padding
 from pipelines.data.sources import DataError, check_columns
 from pipelines.data.synthetic import generate_corpus
 from pipelines.data.tokenization import (
@@ -124,7 +124,7 @@ class ClassificationTask(Task):
         pad_id: int,
         *,
         fixed_length: int | None,
-        pad_to_multiple_of: int | None,
+        pad_to_multiple_of: Padding,
         params: Params,
     ) -> PadCollator:
         return PadCollator(split, pad_id, fixed_length=fixed_length, pad_to_multiple_of=pad_to_multiple_of)

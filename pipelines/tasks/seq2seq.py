@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from pipelines.data.batching import PadCollator, padded_length
+from pipelines.data.batching import PadCollator, Padding, padded_length
 from pipelines.data.loader import eval_batch_rows, score_batches
 from pipelines.data.sources import DataError, check_columns
 from pipelines.data.synthetic import generate_translations
@@ -43,7 +43,7 @@ SOURCE, TARGET = "source", "target"
 class Seq2SeqCollator(PadCollator):
     """Rows (source then target tokens) → encoder input, decoder input and labels, each padded to its batch."""
 
-    def __init__(self, split: TokenizedSplit, pad_id: int, *, decoder_start_id: int, **kwargs: int | None):
+    def __init__(self, split: TokenizedSplit, pad_id: int, *, decoder_start_id: int, **kwargs: Padding):
         super().__init__(split, pad_id, **kwargs)  # type: ignore[arg-type]
         assert split.prompt_lengths is not None, "a seq2seq split has source lengths"
         self.source_lengths = split.prompt_lengths
@@ -153,9 +153,10 @@ class Seq2SeqTask(GenerationTask):
         limit, eos = params.data.max_length, tokenizer.eos_token_id
         sources = tokenizer(table[SOURCE].tolist(), add_special_tokens=True)["input_ids"]
         targets = tokenizer(table[TARGET].tolist(), add_special_tokens=False)["input_ids"]
-        rows, source_lengths, truncated = [], [], 0
+        rows, source_lengths, truncated, whole = [], [], 0, []
         for source, target in zip(sources, targets, strict=True):
             source, target = _append_eos(source, eos), _append_eos(target, eos)
+            whole.append(max(len(source), len(target)))
             truncated += len(source) > limit or len(target) > limit
             # Source and target are cut to max_length each (the end-of-sequence token kept).
             source = source[: limit - 1] + [eos] if len(source) > limit else source
@@ -164,7 +165,8 @@ class Seq2SeqTask(GenerationTask):
             source_lengths.append(len(source))
         lengths = np.fromiter((len(r) for r in rows), dtype=np.int32, count=len(rows))
         flat = np.fromiter((t for r in rows for t in r), dtype=np.int32, count=int(lengths.sum()))
-        return Encoded(TokenizedSplit(flat, lengths, prompt_lengths=np.asarray(source_lengths, np.int32)), truncated)
+        split = TokenizedSplit(flat, lengths, prompt_lengths=np.asarray(source_lengths, np.int32))
+        return Encoded(split, truncated, int(np.percentile(whole, 95)) if whole else 0)
 
     def build_model(
         self, params: Params, tokenizer: PreTrainedTokenizerBase, meta_dir: Path, root: Path, *, weights: bool = True
@@ -203,7 +205,7 @@ class Seq2SeqTask(GenerationTask):
         pad_id: int,
         *,
         fixed_length: int | None,
-        pad_to_multiple_of: int | None,
+        pad_to_multiple_of: Padding,
         params: Params,
     ) -> PadCollator:
         # T5 starts decoding from its pad token; the collator needs no model to know it.

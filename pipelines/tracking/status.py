@@ -66,6 +66,18 @@ def headline_metrics(task: str) -> tuple[str, ...]:
     return (get_task(task).quality[0].metric, "train_time_s", "peak_train_memory_bytes")
 
 
+def log_best_on_parent(client: Any, parent_run_id: str, task: str, best: dict[str, float]) -> None:
+    """The best trial's headline figures (quality, train time, peak memory, speed) on the parent run too: MLflow's
+    runs table lists parent runs, collapsed, and a parent without metrics shows no columns to compare by."""
+    import time
+
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    keys = [*headline_metrics(task), "samples_per_s"]
+    client.log_batch(parent_run_id, metrics=[Metric(k, float(best[k]), now, 0) for k in keys if k in best])
+
+
 def list_first(client: Any, run_id: str, keys: Iterable[str]) -> None:
     """Log each of `keys` as NaN ("not measured yet") at step 0, one call each, before any other metric of the run.
 

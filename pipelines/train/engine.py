@@ -25,6 +25,7 @@ from pipelines.data.batching import HOST_COUNTS
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.params import Params
 from pipelines.runtime import ResolvedPrecision, Runtime, resolve_runtime
+from pipelines.train.compiled_step import CompilePrediction, resolve_compile
 from pipelines.train.fast_dropout import FastDropoutUse, fast_dropout
 from pipelines.train.memory_levers import resolve_loss
 from pipelines.train.parallel import uses_fsdp
@@ -58,18 +59,23 @@ def train_model(
     checkpoint_dir: Path | None = None,
     say: Callable[[str], None] = print,
     task: Task | None = None,
+    compile_prediction: CompilePrediction | None = None,
 ) -> TrainResult:
     """Train `model` in place for `params.epochs` on `device` in `precision`, and return what was measured.
 
     The entry point for callers outside a trial (benchmarks, tests): the training split (packed with
     data.packing) and the runtime are resolved here from `params`, then `run_training` trains. `task` defaults
-    to the one `params.task` names.
+    to the one `params.task` names. `compile: auto` is decided by `compile_prediction` (a trial's comes from its
+    plan: `pipelines.resolve.step_time.predict_compile`); without one it is off.
     """
     task = task or _named_task(params)
     train = task.training_split(train, params, model)  # packs, with data.packing (a trial packs in its setup)
     runtime = replace(resolve_runtime(params, device, pad_id, precision), loss=resolve_loss(model, params, task))
-    return run_training(model, train, validation, params, runtime, on_log=on_log, on_epoch_end=on_epoch_end,
-                        checkpoint_dir=checkpoint_dir, say=say, task=task)  # fmt: skip
+    params, runtime, choice = resolve_compile(params, runtime, train, task, compile_prediction)
+    result = run_training(model, train, validation, params, runtime, on_log=on_log, on_epoch_end=on_epoch_end,
+                          checkpoint_dir=checkpoint_dir, say=say, task=task)  # fmt: skip
+    result.notes["compile.resolved"] = choice.tag()
+    return result
 
 
 def run_training(
@@ -106,7 +112,7 @@ def run_training(
     if not uses_fsdp(params, world()[1]):
         model.to(device)  # under FSDP the shards go to the device, and the whole model stays on the host
     # Inductor draws its own fused dropout masks under compile; CUDA's dropout is already fused.
-    use_fast_dropout = params.fast_dropout and device.type == "cpu" and not params.compile
+    use_fast_dropout = params.fast_dropout and device.type == "cpu" and params.compile is not True
     probe = _probe_inputs(train, runtime.pad_id, task, params) if use_fast_dropout else None
     with fast_dropout(model, probe, bf16=runtime.precision == "bf16") if use_fast_dropout else nullcontext() as use:
         notes = {"fast_dropout": use.describe() if isinstance(use, FastDropoutUse) else "off"}

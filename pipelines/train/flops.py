@@ -24,10 +24,13 @@ plain fp32), from NVIDIA's data sheets; an unknown GPU or a CPU gets no MFU rath
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.utils import flop_counter as torch_flops
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipelines.gpu_profiles import GPU_PROFILES
 
@@ -124,3 +127,41 @@ def flops_metrics(
         if peak is not None:
             out["mfu"] = achieved / (peak * world_size)
     return out
+
+
+class KernelCounter(TorchDispatchMode):
+    """Counts the ATen ops a step dispatches that launch work (views, allocations and metadata queries excluded), per
+    phase and per step: what an eager step launches, one kernel each (`pipelines.resolve.step_time` prices them at
+    the host's cost per launch).
+
+    `phase(name)` names the ops counted inside it (`accumulate`: forwards and backwards; `update`: clipping and the
+    optimizer's step); `step` is set by the caller (the first step creates the optimizer's state, so its update is
+    not the steady state's)."""
+
+    NOT_LAUNCHED = frozenset({"empty", "empty_strided", "empty_like", "detach", "alias", "lift_fresh", "device",
+                              "_local_scalar_dense", "new_empty", "new_empty_strided", "_record_function_enter_new",
+                              "_record_function_exit"})  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[tuple[str, int], int] = {}
+        self.current, self.step = "other", 0
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Count the ops inside the block under `name`."""
+        previous, self.current = self.current, name
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    def count(self, phase: str, step: int = 0) -> int:
+        """Ops counted in `phase` of step `step`."""
+        return self.counts.get((phase, step), 0)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not func.is_view and func.overloadpacket.__name__ not in self.NOT_LAUNCHED:
+            key = (self.current, self.step)
+            self.counts[key] = self.counts.get(key, 0) + 1
+        return func(*args, **(kwargs or {}))

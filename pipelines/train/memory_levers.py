@@ -41,7 +41,7 @@ def resolve_loss(model: nn.Module, params: Params, task: Task) -> LossImpl:
     if params.loss_impl == "chunked":
         if why_not is not None:
             raise UserError(f"loss_impl: chunked: {why_not}; use loss_impl: auto or full")
-    elif why_not is not None or params.compile or params.distributed.strategy == "fsdp":
+    elif why_not is not None or params.compile is True or params.distributed.strategy == "fsdp":
         return FULL_LOSS
     vocab = unwrapped(model).get_output_embeddings().out_features
     if params.loss_impl == "auto" and vocab < CHUNKED_FROM_VOCAB:

@@ -35,14 +35,14 @@ def _percentile_ms(values: list[float], q: float) -> float:
 
 
 def final_metrics(
-    state: LoopState, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, compiled: bool
+    state: LoopState, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
 ) -> dict[str, float]:
     """Speed over the timed steps only (the warm-up step is excluded), the clocks, counters and memory."""
     clocks = {name: state.clocks.get(name, 0.0) for name in CLOCKS}
     train_time = clocks["train_time_s"] or float("nan")  # nan: a run of a single (warm-up) step
     metrics: dict[str, float] = {
         **clocks,
-        "compile_time_s": clocks["warmup_time_s"] if compiled else 0.0,
+        "compile_time_s": state.clocks.get("compile_time_s", 0.0),
         "samples_per_s": state.rows_timed / train_time,
         "tokens_per_s": state.tokens_timed / train_time,
         "step_time_p50_ms": _percentile_ms(state.step_times, 50),

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 FP16_INITIAL_SCALE = 2.0**16
 Batch = dict[str, torch.Tensor]
+LossFn = Callable[[Batch], torch.Tensor]
 
 
 def make_scaler(runtime: Runtime, enabled: bool = True) -> torch.amp.GradScaler:
@@ -73,6 +74,7 @@ class TrainStep:
     max_grad_norm: float | None
     offload: Callable[[], AbstractContextManager[object]] = nullcontext
     forward: nn.Module | None = field(default=None)
+    compiled_loss: LossFn | None = field(default=None)
 
     @property
     def runs_through(self) -> nn.Module:
@@ -82,7 +84,16 @@ class TrainStep:
 
     def through(self, forward: nn.Module) -> TrainStep:
         """The same step with its forward run through `forward` (a DDP replica, a compiled module)."""
-        return replace(self, forward=forward)
+        return replace(self, forward=forward, compiled_loss=None)
+
+    def compiled(self, compile_fn: Callable[[LossFn], LossFn]) -> TrainStep:
+        """The same step with its forward and loss (and so, through AOTAutograd, their backward) run through
+        `compile_fn(self.forward_loss)` (`pipelines.train.compiled_step.compile_step`)."""
+        return replace(self, compiled_loss=compile_fn(self.forward_loss))
+
+    def forward_loss(self, batch: Batch) -> torch.Tensor:
+        """The task's loss of `batch`, summed over its loss units: the part of the step that is compiled."""
+        return self.task.loss(self.runs_through, batch, self.runtime.loss)[0]
 
     def backward(self, batch: Batch, units_in_window: float) -> torch.Tensor:
         """Forward and backward of this batch's share of the window's mean loss; its (detached) contribution.
@@ -90,8 +101,9 @@ class TrainStep:
         The task's loss is summed over the batch's loss units and divided by the units of the whole window, so
         every unit weighs the same whichever micro-batch it is in.
         """
-        with self.runtime.autocast(), self.offload():
-            total, _ = self.task.loss(self.runs_through, batch, self.runtime.loss)
+        loss_of = self.forward_loss if self.compiled_loss is None else self.compiled_loss
+        with self.runtime.autocast(), self.offload():  # entered outside a compiled loss: it guards on their state
+            total = loss_of(batch)
         loss = total / max(units_in_window, 1)  # a window whose answers were all truncated away adds 0
         self.scaler.scale(loss).backward()
         return loss.detach()

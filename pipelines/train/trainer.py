@@ -10,6 +10,7 @@ peaks are paused around everything that is not training.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -19,13 +20,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from pipelines.data.loader import in_process, make_loader, to_device
+from pipelines.data.loader import in_process, make_collator, make_loader, to_device
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.params import Params
 from pipelines.runtime import Runtime
 from pipelines.train.checkpoint import LoopState, find_resumable, restore, save_checkpoint
-from pipelines.train.measurement import TrainingMeter, probe_memory
+from pipelines.train.compiled_step import batches_by_shape, bounded_graphs, compile_step, graphs_built, row_units, warm
+from pipelines.train.measurement import TrainingMeter, probe_memory, rng_preserved
 from pipelines.train.memory import MemoryAtPeak, gradient_bytes, track_step
 from pipelines.train.memory_levers import apply_memory_levers
 from pipelines.train.optim import build_optimizer, build_scheduler, create_fresh_state
@@ -53,6 +55,19 @@ EpochFn = Callable[[int, int, dict[str, float]], None]  # (epoch, optimizer step
 
 class NonFiniteLoss(UserError):
     """Training diverged: the loss stayed NaN or infinite for too many steps."""
+
+
+class StuckLoss(UserError):
+    """The loss stopped changing: the model's outputs no longer depend on what it is trained on."""
+
+
+# A loss equal to the one before it (relative 1e-5) for this many optimizer steps in a row, each on a different
+# batch, means outputs that no longer depend on the inputs (a compiled kernel that failed: on an H100, compile +
+# Liger trained at ln(vocabulary size) from the second step on): the run stops instead of training on.
+STUCK_STEPS, STUCK_TOLERANCE = 5, 1e-5
+# A log point at least this often (a single process: under DDP every rank must log at the same steps), so a run of
+# slow steps shows progress (`pipelines.progress`) long before its first `log_every_n_steps`.
+PROGRESS_EVERY_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -117,14 +132,27 @@ class Trainer:
         self.train_step = TrainStep(self.model, self.optimizer, task, runtime, scaler, params.max_grad_norm, offload)
         self.per_epoch_schedule = params.lr_schedule == "reduce_on_plateau"
         self.units = task.loss_units(train, params)  # per row: what a window's mean loss divides by
+        self.compiled = params.compile is True
+        if params.compile == "auto":
+            raise ValueError("compile: auto is resolved before training (pipelines.train.compiled_step.decide_compile)")
+        # A compiled run's batch shapes, one batch of each: every epoch's batches are planned before training.
+        self.shape_batches: list[list[int]] = []
+        if self.compiled:
+            planned = [rows for e in range(params.epochs) for rows in self.sampler.batches(e)]
+            self.shape_batches = batches_by_shape(make_collator(train, params, runtime, task), planned)
+        self.graphs = {"compile_graphs": 0.0, "compile_graphs_in_loop": 0.0}
 
     def run(self, setup_start: float) -> tuple[dict[str, float], LoopState, dict[str, str]]:
         """Train every epoch; the final metrics (reduced across ranks), the loop's state, and notes for the run."""
-        self.start(setup_start)
-        while self.state.epoch < self.params.epochs:
-            self.epoch()
+        # A compiled step that would need a graph beyond its shapes' fails instead of running eager unannounced.
+        with bounded_graphs(len(self.shape_batches)) if self.compiled else nullcontext():
+            self.start(setup_start)
+            in_loop = graphs_built()
+            while self.state.epoch < self.params.epochs:
+                self.epoch()
+            self.graphs["compile_graphs_in_loop"] = float(graphs_built() - in_loop) if self.compiled else 0.0
         self.meter.pause()
-        metrics = final_metrics(self.state, self.model, self.optimizer, self.device, compiled=self.params.compile)
+        metrics = {**final_metrics(self.state, self.model, self.optimizer, self.device), **self.graphs}
         if self.fsdp:  # the metrics are this rank's shards'
             gather_full_weights(self.model, self.whole, self.rank, self.device)
         if self.world_size > 1:
@@ -138,7 +166,7 @@ class Trainer:
         step is the steady state): no window runs twice. Where that state cannot be made ahead (an optimizer
         whose fresh state is not zeros) or the step is compiled or distributed, the first window is probed
         on its own beforehand and the weights put back."""
-        single = not self.params.compile and self.world_size == 1
+        single = not self.compiled and self.world_size == 1
         self.track_warmup = single and create_fresh_state(self.model, self.optimizer)
         memory = None if self.track_warmup else self.measure_memory()
         self.state = LoopState()
@@ -152,16 +180,32 @@ class Trainer:
         forward: nn.Module = self.model  # the step runs its forward through the DDP replica, compiled when asked
         if self.world_size > 1 and not self.fsdp:
             forward = replicate(self.model, self.device)
-        if self.params.compile:
-            forward = torch.compile(forward)
         self.train_step = self.train_step.through(forward)
         self.meter = TrainingMeter(self.device, self.state, setup_start)  # clocks and CUDA peaks, beside the loop
+        if self.compiled:
+            self.compile_and_warm()
         state, device = self.state, self.device
         self.logged_loss = torch.tensor(state.logged_loss, device=device)  # summed on device; read at log points
-        # Counted on the device so the loop never waits to check: [consecutive non-finite, total non-finite, skipped].
+        # Counted on the device so the loop never waits to check: [consecutive non-finite, total non-finite, skipped,
+        # consecutive steps whose loss equals the step's before].
         self.counters = torch.tensor(
-            [state.nonfinite_consecutive, state.nonfinite_total, state.skipped_total], device=device
+            [state.nonfinite_consecutive, state.nonfinite_total, state.skipped_total, 0], device=device
         )
+        self.previous_loss, self.previous_rows = torch.full((), float("nan"), device=device), -2
+        self.last_log = time.monotonic()
+
+    def compile_and_warm(self) -> None:
+        """Compile the step and run it on one batch of each of the run's shapes, on its own clock
+        (`compile_time_s`), before any timed step; the gradients are dropped and the random state put back."""
+        self.train_step = compile_step(self.train_step)
+        loader = make_loader(self.train, self.shape_batches, in_process(self.params), self.runtime, self.task)
+        batches = [to_device(batch, self.device) for batch in loader]
+        before = graphs_built()
+        with self.meter.region("compile_time_s"), rng_preserved(self.device):
+            warm(self.train_step, batches, [row_units(rows, self.units) for rows in self.shape_batches])
+        self.graphs["compile_graphs"] = float(graphs_built() - before)
+        self.say(f"compile: {len(self.shape_batches)} batch shapes warmed ({graphs_built() - before} graphs) in "
+                 f"{self.state.clocks['compile_time_s']:.1f} s, widths {self.runtime.padding}")  # fmt: skip
 
     def measure_memory(self) -> MemoryAtPeak | None:
         """Peak training memory and its breakdown from two runs of the first window; the weights are then put back."""
@@ -236,6 +280,10 @@ class Trainer:
         window_loss, counts, warmup = done.outcome.loss, done.counts, done.warmup
         finite = torch.isfinite(window_loss)
         counters[0] = torch.where(finite, 0, counters[0] + 1)
+        if counts.rows_key != self.previous_rows:  # a window on the rows before (one batch an epoch) proves nothing
+            previous, self.previous_loss, self.previous_rows = self.previous_loss, window_loss, counts.rows_key
+            same = finite & (window_loss != 0) & ((window_loss - previous).abs() <= STUCK_TOLERANCE * window_loss.abs())
+            counters[3] = torch.where(same, counters[3] + 1, 0)
         counters[1] += (~finite).long()
         counters[2] += done.outcome.skipped.to(counters.device).long()
         self.logged_loss += torch.where(finite, window_loss, 0.0)  # keep the curve readable
@@ -251,7 +299,8 @@ class Trainer:
         else:
             self.meter.clock.lap()
             state.add_timed(counts.rows, counts.tokens, counts.positions, counts.wait_s)
-        if state.step % params.log_every_n_steps == 0 or state.step == self.total_steps:
+        overdue = self.world_size == 1 and time.monotonic() - self.last_log >= PROGRESS_EVERY_S
+        if state.step % params.log_every_n_steps == 0 or state.step == self.total_steps or overdue:
             self.log_point(epoch)
             self.meter.clock.read_laps()
             if state.nonfinite_consecutive >= params.max_nonfinite_steps:
@@ -267,7 +316,15 @@ class Trainer:
         """The loop's one host-device sync, every log_every_n_steps steps (and, under DDP, its one extra
         all-reduce: the global loss and the worst rank's counters)."""
         state, counters, logged_loss, device = self.state, self.counters, self.logged_loss, self.device
-        consecutive, total_bad, skipped = (int(v) for v in all_reduce(counters.tolist(), "max", device))
+        self.last_log = time.monotonic()
+        consecutive, total_bad, skipped, stuck = (int(v) for v in all_reduce(counters.tolist(), "max", device))
+        if stuck >= STUCK_STEPS - 1:
+            raise StuckLoss(
+                f"the training loss stayed at {float(self.previous_loss):.6g} (to a relative {STUCK_TOLERANCE:g}) for "
+                f"{stuck + 1} optimizer steps in a row, on different batches, up to step {state.step}: the model's "
+                "outputs no longer depend on its inputs (a kernel that failed to compile, a learning rate that "
+                "saturated it); check the warnings above, set compile: false or kernels: none, or lower lr"
+            )
         interval_loss = all_reduce([float(logged_loss)], "sum", device)[0] / self.world_size
         bad_in_interval = total_bad - state.nonfinite_total
         state.nonfinite_consecutive, state.nonfinite_total, state.skipped_total = consecutive, total_bad, skipped

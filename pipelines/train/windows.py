@@ -83,6 +83,7 @@ class WindowCounts:
     tokens: int = 0
     positions: int = 0  # tokens plus padding: the batch tensors' size
     wait_s: float = 0.0
+    rows_key: int = -1  # the window's first row (which rows it held, for the stuck-loss check), -1 if unknown
 
 
 def fetch_window(
@@ -99,5 +100,7 @@ def fetch_window(
         counts.rows += int(batch["num_rows"])
         counts.tokens += int(batch["num_tokens"])
         counts.positions += int(batch["num_positions"])
+        if not batches and "row_index" in batch and len(batch["row_index"]):
+            counts.rows_key = int(batch["row_index"][0])
         batches.append(to_device(batch, device))
     return batches, counts

@@ -52,6 +52,15 @@ def trial_overrides(config: dict[str, Any], variants: dict[str, dict[str, Any]])
     return overrides
 
 
+def trial_run_name(config: dict[str, Any], base_seed: int) -> str:
+    """What a trial varies, as its MLflow run name: its variant, its seed, then each searched value
+    (`adafactor · seed 43 · lr=0.0003`), so the runs table says what each row is without opening it."""
+    seed = config.get("seed", base_seed)
+    searched = [f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in config.items()
+                if k not in ("variant", "seed", REPEAT_KEY)]  # fmt: skip
+    return " · ".join([str(config.get("variant", "default")), f"seed {seed}", *searched])
+
+
 def run_trial(config: dict[str, Any], context: TrialContext) -> None:
     """Ray Tune function trainable: train one configuration and report its metrics."""
     leave_retries_to_run_logger()
@@ -65,7 +74,7 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
     run_id = start_run(
         client,
         context.experiment_id,
-        f"{variant}-{trial_id}",
+        trial_run_name(config, int(context.params.get("seed", 0))),
         {
             "variant": variant,
             # Trials finish (and start) in any order when they run concurrently; the report orders

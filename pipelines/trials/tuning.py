@@ -30,7 +30,7 @@ from pipelines.tracking.runs import (
     resolve_tracking_uri,
     start_run,
 )
-from pipelines.tracking.status import ended_run, stopped_tags
+from pipelines.tracking.status import ended_run, log_best_on_parent, stopped_tags
 from pipelines.trial_context import FINAL_KEY, REPEAT_KEY, TrialContext
 from pipelines.trials.ray_cluster import init_ray, tune_console
 
@@ -228,6 +228,7 @@ def run_tuning(
         follow_move(out_dir / BEST_DIR)
         shutil.rmtree(staging, ignore_errors=True)
         client.set_tag(parent_run_id, "best_run_id", best["mlflow_run_id"])
+        log_best_on_parent(client, parent_run_id, params.task, best["metrics"])
         summary["registered_model"] = register_best_model(client, params, best["mlflow_run_id"], tracking_uri)
         if summary["registered_model"]:
             client.set_tag(parent_run_id, "registered_model", summary["registered_model"]["uri"])

@@ -112,3 +112,9 @@ def test_queued_experiment_lands_in_the_repository_store(project_copy: Path):
     parent = client.get_run(queued[0].data.tags["mlflow.parentRunId"])
     assert parent.data.tags["dvc_exp_name"]  # the DVC experiment's name is on the parent run
     assert parent.info.run_name == parent.data.tags["dvc_exp_name"]  # and names it, as `dvc exp show` does
+    # The runs table lists parents: each carries its best trial's headline figures, so it has columns to compare by.
+    for key in ("train_time_s", "peak_train_memory_bytes", "samples_per_s"):
+        assert parent.data.metrics[key] == queued[0].data.metrics[key], key
+    assert parent.data.metrics["test_accuracy"] > 0
+    # A trial's run name says what it varies: its variant and its seed (and any searched value).
+    assert queued[0].info.run_name.startswith("default · seed "), queued[0].info.run_name

@@ -188,6 +188,8 @@ def test_repro_noop_exp_run_and_bad_values(project_copy: Path, own_ray_cluster: 
     for setting, expected in (
         ("optim=adafator", ["optim = 'adafator'", "'adafactor'", "'sgd'"]),
         ("batch_size=-4", ["batch_size = -4", "greater than 0"]),
+        # An added key (DVC's own suggestion for a typo'd one) is validated too: the validate stage lists the file.
+        ("+optimizer=adafactor", ["optimizer: unknown key"]),
     ):
         run(["git", "checkout", "--", "params.yaml"], root)
         start = time.monotonic()

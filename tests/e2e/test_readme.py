@@ -74,6 +74,10 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
     # The GPU machine's commands: skipped without CUDA, their CPU smoke run in tests/pipelines/test_bench_gpu.py.
     "python -m benchmarks.bench_gpu prepare": ("tests/pipelines/test_bench_gpu.py", '"benchmarks.bench_gpu"'),
     "python -m benchmarks.bench_gpu": ("tests/pipelines/test_bench_gpu.py", '"benchmarks.bench_gpu"'),
+    "python -m benchmarks.bench_gpu_parts --part bert --json bert.json": (
+        "tests/pipelines/test_bench_gpu.py", '"benchmarks.bench_gpu_parts"'),
+    "python -m benchmarks.bench_gpu_parts --part llama --json llama.json": (
+        "tests/pipelines/test_bench_gpu.py", '"benchmarks.bench_gpu_parts"'),
     "pytest -m gpu tests/gpu": ("tests/gpu/test_cuda.py", "pytestmark"),
 }  # fmt: skip
 

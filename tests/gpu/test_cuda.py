@@ -166,13 +166,14 @@ def test_peak_memory_is_each_trial_s_own(default_params):
     assert abs(again - first) <= 0.05 * first, (first, again)  # not the larger trial's peak
 
 
-def test_compile_on_cuda_with_bucketed_shapes_stays_within_its_graph_budget(default_params):
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    params = cuda_params(default_params, compile=True, epochs=1, **{"data.pad_to_multiple_of": 8})
-    result = train(params)
-    assert all(math.isfinite(h["loss"]) for h in result.history)
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    # tiny_split rows are < 40 tokens, rounded to multiples of 8: a handful of shapes, not one per batch.
-    assert 0 < graphs <= 12, graphs
+def test_compile_on_cuda_runs_the_step_as_cuda_graphs_within_its_shapes_and_trains_as_eager(default_params):
+    # The whole step compiled (reduce-overhead: CUDA graphs), every shape warmed before the clocks; the losses stay
+    # within bf16's reach of eager's on the same rows.
+    eager = train(cuda_params(default_params, compile=False, epochs=1, precision="bf16"))
+    result = train(cuda_params(default_params, compile=True, epochs=1, precision="bf16"))
+    m = result.metrics
+    widths = result.notes["pad_widths.resolved"].split(",")
+    assert 0 < m["compile_graphs"] <= len(widths) + 1 and m["compile_graphs_in_loop"] == 0, m
+    assert m["compile_time_s"] > 0
+    losses, reference = [h["loss"] for h in result.history], [h["loss"] for h in eager.history]
+    assert losses == pytest.approx(reference, rel=0.05)  # bf16, and Inductor draws its own dropout masks

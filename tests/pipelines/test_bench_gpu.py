@@ -39,3 +39,27 @@ def test_bench_gpu_prepares_its_data_and_runs_every_configuration_in_smoke_mode(
     # Each configuration beside its plan (on a GPU: made for its card); here the CPU's, against MemTracker's peak.
     assert abs(vanilla["planned_peak_mb"] / vanilla["peak_allocated_mb"] - 1) < 0.15, vanilla
     assert "| all combined |" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("part", ["bert", "llama"])
+def test_bench_gpu_parts_run_their_eager_configurations_in_smoke_mode(tmp_path: Path, part: str):
+    data, out = tmp_path / "data", tmp_path / "results.json"
+    if part == "bert":
+        if not (AG_NEWS / "test.csv").is_file() or minilm_path() is None:
+            pytest.skip("AG News or all-MiniLM-L6-v2 (its vocabulary) missing")
+        prepared = subprocess.run([sys.executable, "-m", "benchmarks.bench_gpu", "prepare", "--data", str(data)],
+                                  cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert prepared.returncode == 0, prepared.stderr[-3000:]
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_gpu_parts", "--part", part, "--smoke", "--data", str(data),
+         "--json", str(out)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())["summary"]
+    for name in ("ours defaults", "ours eager", "trainer eager", "plain eager"):
+        assert report[name]["samples_per_s"]["median"] > 0, (name, report[name])
+    assert report["ours defaults"]["compile_resolved"].startswith("off: ")  # a smoke run is too short to repay it
+    assert report["ours defaults"]["loss_curve_max_rel_gap_to_eager"] < 1e-6  # both eager here: the same curve
+    assert report["ours eager"]["predicted_step_ms"]["median"] > 0
+    assert "| trainer torch_compile | skipped |" in proc.stdout

@@ -65,3 +65,33 @@ def test_gguf_model_loads_dequantized_trains_under_the_trainer_check_and_saves_c
     lora = apply_adapter(model, params.adapter, task)
     trainable = sum(p.numel() for p in lora.parameters() if p.requires_grad)
     assert 0 < trainable < 0.01 * sum(p.numel() for p in lora.parameters())
+
+
+def test_the_model_card_snippet_reloads_a_lora_adapter_on_a_gguf_base_as_written(default_params: Params, tmp_path):
+    import re
+
+    from pipelines.adapters import apply_adapter, save_base_reference, save_trained
+    from pipelines.data.tokenization import load_pretrained_tokenizer
+    from pipelines.model_card import pretrained_base, record_adapter_base, write_model_card
+    from pipelines.tasks import get_task
+
+    folder = smollm2_folder()
+    settings = {"task": "causal_lm", "model.name_or_path": str(folder), "model.gguf_file": GGUF_FILE,
+                "adapter.type": "lora"}  # fmt: skip
+    params = tiny_params(default_params, **settings)
+    task = get_task("causal_lm")
+    tokenizer = load_pretrained_tokenizer(params.model, tmp_path)
+    lora = apply_adapter(task.build_model(params, tokenizer, tmp_path, tmp_path), params.adapter, task)
+    out, base = tmp_path / "best", pretrained_base(params, tmp_path)
+    save_base_reference(params, tmp_path, out)
+    save_trained(lora, out, params)
+    record_adapter_base(out, base)
+    write_model_card(out, params, "CAUSAL_LM", base, "digest", {"test_exact_match": 0.5})
+    card = (out / "README.md").read_text()
+    assert "base_model:" not in card  # a local folder is not a hub id: the front matter does not claim one
+    assert "config" not in json.loads((out / "base.json").read_text())  # only what names the base
+    (snippet,) = re.findall(r"```python\n(.*?)```", card, re.S)
+    scope: dict[str, object] = {}
+    exec(snippet.replace("path/to/this/folder", str(out)), scope)  # the card's code, as a user would run it
+    reloaded = scope["model"]
+    assert sum(p.numel() for p in reloaded.parameters()) == sum(p.numel() for p in lora.parameters())

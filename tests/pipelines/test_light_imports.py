@@ -26,7 +26,10 @@ LIGHT_MODULES = [
     "pipelines.adapters",
     "pipelines.evaluation",
     "pipelines.resolve.memory_plan",
+    "pipelines.resolve.step_time",
+    "pipelines.train.compiled_step",
     "benchmarks.bench_gpu",
+    "benchmarks.bench_gpu_parts",
 ]
 ABSENT = ("mlflow", "ray", "dvc", "datasets")
 

@@ -224,8 +224,11 @@ def test_plan_targets_gives_a_verdict_and_the_fastest_fitting_config_per_card(de
             assert entry.reserve >= 768 * 2**20 and "strategy auto" in entry.fastest
         table = target_table(name, entries)
         assert f"Target: {name}" in table and "| vanilla | fp32 |" in table and "fastest that fits" in table
-    # fp32 params: on the T4 the fastest fitting configuration is fp16 (8x its fp32 peak)
-    assert "precision: fp16" in plans["T4"]["vanilla"].fastest
+    # This tiny model's step is launch-bound on both cards (predicted: its FLOPs take microseconds, its ops'
+    # launches milliseconds), so 16-bit buys nothing and the params are kept as written, with the predicted time.
+    for name in plans:
+        assert "nothing changed" in plans[name]["vanilla"].fastest and " ms per step" in plans[name]["vanilla"].fastest
+        assert plans[name]["vanilla"].step.eager_s > 0
 
 
 def test_the_plan_stage_plans_a_packed_run_on_its_packs_as_the_trial_does(default_params, tmp_path):

@@ -33,3 +33,30 @@ def test_the_engine_tells_its_log_callback_the_total_steps_and_rows(default_para
     assert points[-1][0] == total and all(p["total_steps"] == total for _, p in points)
     assert points[-1][1]["rows_timed"] > points[0][1]["rows_timed"]
     assert "total_steps" not in result.history[0]  # the logged curve stays (step, epoch, loss, lr, ...)
+
+
+def test_without_a_bar_a_progress_line_comes_at_least_every_30_seconds():
+    # A slow run (a step every 20 s): the log points come from the engine's 30-second rule, and each one more than
+    # 30 s after the last line says where the run is.
+    now = [0.0]
+    lines: list[str] = []
+    progress = TrialProgress(epochs=1, say=lines.append, make_bar=None, clock=lambda: now[0])
+    for step in range(1, 7):
+        now[0] = 20.0 * step
+        progress.on_log(step, {"loss": 2.0 - 0.1 * step, "total_steps": 50.0, "rows_timed": 4.0 * (step - 1)})
+    assert lines == [
+        "step 2/50, loss 1.8000, 0.2 samples/s, about 16m00s left",
+        "step 4/50, loss 1.6000, 0.2 samples/s, about 15m20s left",
+        "step 6/50, loss 1.4000, 0.2 samples/s, about 14m40s left",
+    ]
+
+
+def test_the_engine_logs_when_30_seconds_pass_without_a_log_point(default_params, monkeypatch):
+    import pipelines.train.trainer as trainer
+
+    monkeypatch.setattr(trainer, "PROGRESS_EVERY_S", 0.0)  # every step is overdue
+    params = tiny_params(default_params, epochs=1, batch_size=16, log_every_n_steps=1000)
+    steps: list[int] = []
+    train_model(tiny_model(), tiny_split(rows=96), None, params, pad_id=0, device=torch.device("cpu"),
+                precision="fp32", on_log=lambda step, point: steps.append(step), say=lambda _: None)  # fmt: skip
+    assert steps == list(range(1, 7))  # 96 rows / 16: six steps, each logged although log_every_n_steps is 1000

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from pipelines.params import STAGE_PARAMS, TOKENIZE_STAGE_KEYS, Params, flatten_params, load_params
-from pipelines.params.stage_keys import covers
+from pipelines.params.stage_keys import WHOLE_FILE, covers
 from tests.conftest import REPO_ROOT
 from tests.import_graph import closure, module_file, parsed
 
@@ -22,7 +22,14 @@ STAGES = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())["stages"]
 
 
 def listed_params(stage: str) -> list[str]:
-    return [str(key) for key in STAGES[stage].get("params", [])]
+    """The keys a stage lists; a whole file (`- params.yaml:`, parsed as {file: None}) as the file's name."""
+    return [next(iter(key)) if isinstance(key, dict) else str(key) for key in STAGES[stage].get("params", [])]
+
+
+def test_the_validate_stage_lists_the_whole_params_file_and_runs_first():
+    assert STAGES["validate"]["params"] == [{WHOLE_FILE: None}]
+    checked = STAGES["validate"]["outs"][0]
+    assert next(iter(checked)) in STAGES["tokenize"]["deps"]  # tokenize, and so every later stage, runs after it
 
 
 def test_dvc_yaml_lists_the_params_each_stage_declares():
@@ -33,7 +40,8 @@ def test_dvc_yaml_lists_the_params_each_stage_declares():
 
 def test_every_key_of_params_yaml_is_read_by_a_stage_that_lists_it():
     flat = flatten_params(load_params(REPO_ROOT / "params.yaml"))
-    unread = [key for key in flat if not any(covers(k, key) for keys in STAGE_PARAMS.values() for k in keys)]
+    readers = [keys for stage, keys in STAGE_PARAMS.items() if stage != "validate"]  # it lists the file, reads none
+    unread = [key for key in flat if not any(covers(k, key) for keys in readers for k in keys)]
     assert unread == []
 
 

@@ -205,3 +205,15 @@ def test_saved_model_reloads_and_answers_the_same(default_params, tmp_path, merg
         assert after.metrics[name] == pytest.approx(before.metrics[name], abs=1e-6), name
     assert list(after.predictions.columns) == ["row_id", "prompt", "reference", "generated", "exact_match"]
     assert after.predictions["reference"].str.len().gt(0).all()
+
+
+def test_a_long_example_is_cut_in_its_prompt_so_its_answer_is_kept_whole():
+    from pipelines.tasks.generation import fit_to_length
+
+    bos, prompt, answer = 1, [1, 10, 11, 12, 13, 14, 15], [20, 21, 2]
+    assert fit_to_length(prompt, answer, 20, bos) == (prompt, answer)  # fits: untouched
+    # 8 tokens: the answer (3) whole, the prompt's BOS and its last 4 tokens (the question, a template's header).
+    assert fit_to_length(prompt, answer, 8, bos) == ([1, 12, 13, 14, 15], answer)
+    assert fit_to_length(prompt, answer, 5, None) == ([14, 15], answer)
+    # An answer longer than the row keeps its start and one prompt token: never an empty target.
+    assert fit_to_length(prompt, [20, 21, 22, 23, 2], 3, bos) == ([15], [20, 21])

@@ -352,17 +352,6 @@ def test_reduce_on_plateau_halves_the_lr_when_validation_loss_stalls(default_par
     assert lrs[0] == 0.5 and min(lrs) < 0.5
 
 
-def test_torch_compile_trains_with_few_recompiles(default_params):
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    result = train_tiny(default_params, compile=True, epochs=1, **{"data.pad_to_multiple_of": 8})
-    assert all(math.isfinite(h["loss"]) for h in result.history)
-    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    # Lengths rounded to multiples of 8 (tiny_split rows are < 40 tokens): a handful of shapes, not one per batch.
-    assert 0 < frames <= 12, frames
-
-
 def test_out_of_memory_under_ddp_is_refused_with_a_clear_message(default_params):
     # One rank cannot halve alone: the others wait in the gradient all-reduce of the step it will not finish.
     from pipelines.errors import UserError

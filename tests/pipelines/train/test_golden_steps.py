@@ -77,7 +77,7 @@ def train_five_steps(default_params: Params, task_name: str, **overrides: object
     task = get_task(task_name)
     torch.manual_seed(params.seed)
     if task_name == "classification":  # build_model reads label names from a tokenized folder; the same BERT here
-        model = tiny_model(dropout=0.1, seed=params.seed)
+        model = tiny_model(dropout=params.model.config.dropout, seed=params.seed)
     else:
         model = task.build_model(params, WordTokenizer(), None, None)  # type: ignore[arg-type]
     losses: list[float] = []

@@ -242,13 +242,16 @@ def test_the_cuda_peak_keeps_the_warmup_step_and_leaves_out_what_follows_a_pause
     trainer.meter = TrainingMeter(trainer.device, trainer.state, setup_start=0.0)
     trainer.meter.clock = Clock()
     trainer.params = default_params.model_copy(update={"log_every_n_steps": 100, "checkpoint_every_n_steps": None})
-    trainer.counters, trainer.logged_loss = torch.zeros(3, dtype=torch.long), torch.zeros(())
+    trainer.counters, trainer.logged_loss = torch.zeros(4, dtype=torch.long), torch.zeros(())
+    trainer.previous_loss, trainer.previous_rows, trainer.last_log = torch.tensor(float("nan")), -2, float("inf")
+    trainer.world_size = 1
     trainer.per_epoch_schedule, trainer.total_steps = True, 100
     allocator["peak"] = 900  # the warm-up step: the longest batch, and the optimizer state created
     from pipelines.train.step import StepOutcome
     from pipelines.train.trainer import WindowStep
+    from pipelines.train.windows import WindowCounts
 
-    trainer.after_step(0, WindowStep(StepOutcome(torch.tensor(1.0), torch.tensor(False)), None, warmup=True))
+    trainer.after_step(0, WindowStep(StepOutcome(torch.tensor(1.0), torch.tensor(False)), WindowCounts(), warmup=True))
     trainer.meter.resume()  # the next step resets the allocator's peak
     allocator["peak"] = 600
     trainer.meter.pause()  # validation follows: its allocations must not count
