@@ -55,10 +55,10 @@ SPEED_MEMORY_COLUMNS = (
     Column("Samples/s", "samples_per_s", digits=0),
     Column("Tokens/s", "tokens_per_s", digits=0),
     Column("Padding", "padding_fraction", "%", scale=100),  # of the batches' positions (bucketing, packing)
-    Column("Peak train memory", "peak_train_memory_bytes", " MB", scale=1 / MB, relative=True, noise="exact"),
-    Column("Optimizer state", "optimizer_state_bytes", " MB", scale=1 / MB, digits=2, relative=True, noise="exact"),
-    Column("Activations", "peak_activation_bytes", " MB", scale=1 / MB, digits=2, relative=True, noise="exact"),
-    Column("Peak RSS", "peak_rss_bytes", " MB", scale=1 / MB, digits=0),
+    Column("Peak train memory", "peak_train_memory_bytes", " MiB", scale=1 / MB, relative=True, noise="exact"),
+    Column("Optimizer state", "optimizer_state_bytes", " MiB", scale=1 / MB, digits=2, relative=True, noise="exact"),
+    Column("Activations", "peak_activation_bytes", " MiB", scale=1 / MB, digits=2, relative=True, noise="exact"),
+    Column("Peak RSS", "peak_rss_bytes", " MiB", scale=1 / MB, digits=0),
 )
 
 
@@ -79,7 +79,7 @@ def quality_columns(task: str, rows: list[TrialRow] | None = None) -> tuple[Colu
         Column(
             q["header"],
             q["metric"],
-            "",
+            "%" if q["scale"] == 100 else "",  # a share shown in percent says so: 0.5% exact match, not 0.50
             scale=q["scale"],
             digits=q["digits"],
             noise="binomial" if q["binomial"] else "none",
@@ -91,12 +91,12 @@ def quality_columns(task: str, rows: list[TrialRow] | None = None) -> tuple[Colu
 
 # Shown when a trial froze parameters (LoRA): gradients and optimizer state exist for the trainable ones only.
 TRAINABLE_COLUMN = Column(
-    "Trainable params", "trainable_param_bytes", " MB", scale=1 / MB, digits=2, relative=True, noise="exact"
+    "Trainable param memory", "trainable_param_bytes", " MiB", scale=1 / MB, digits=2, relative=True, noise="exact"
 )
 # Shown when trials were planned (pipelines.resolve.memory_plan): the prediction and its error against the measured
 # peak.
 PLAN_COLUMN = Column(
-    "Predicted peak", "predicted_peak_train_memory_bytes", " MB", scale=1 / MB, versus="peak_train_memory_bytes"
+    "Predicted peak", "predicted_peak_train_memory_bytes", " MiB", scale=1 / MB, versus="peak_train_memory_bytes"
 )
 
 

@@ -52,7 +52,7 @@ def plot_comparison(rows: list[TrialRow], path: Path) -> None:
     names = [r.name for r in finished]
     panels = (
         ("Train time (s)", "train_time_s", 1.0),
-        ("Peak train memory (MB)", "peak_train_memory_bytes", 1 / MB),
+        ("Peak train memory (MiB)", "peak_train_memory_bytes", 1 / MB),
         (quality.axis_label, quality.metric, quality.scale),  # BLEU is on its own 0-100 scale, a share is not
     )
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 0.6 * len(names) + 2.2))
@@ -134,7 +134,7 @@ def plot_tradeoff(rows: list[TrialRow], path: Path) -> None:
             s=80 + 900 * memory[i] / largest,
             alpha=0.6,
             color=colors[i % 10],
-            label=f"{row.name} ({memory[i]:,.0f} MB)",
+            label=f"{row.name} ({memory[i]:,.0f} MiB)",
             edgecolors="black",
             linewidths=0.6,
         )
@@ -209,11 +209,12 @@ class ReportContent:
 
 def _padding_text(rows: list[TrialRow]) -> str | None:
     metrics = rows[0].metrics if rows else {}
-    configured = metrics.get("tokenize.train.pad_fraction_configured")
     fixed = metrics.get("tokenize.train.pad_fraction_fixed")
-    if configured is None or fixed is None:
+    if fixed is None:
         return None
-    return f"Padding fraction of the configured batching: {configured:.1%}; padded to max_length: {fixed:.1%}."
+    # One padding figure per trial: the table's Padding column (the batches it trained on); here only the baseline.
+    return (f"The Padding column is the share of padded positions in the batches each trial trained on; every row "
+            f"padded to max_length would have been {fixed:.1%} padding.")  # fmt: skip
 
 
 def _not_finished(row: TrialRow) -> str:

@@ -60,8 +60,8 @@ class Choice:
 
 
 def size(n: float) -> str:
-    """Bytes in MB of 2^20 (KB of 2^10 below one MB), as the report and the plan table write them."""
-    return f"{n / MB:,.1f} MB" if n >= MB else f"{n / 1024:,.1f} KB"
+    """Bytes in MiB (2^20; KiB below one MiB), as the report and the plan table write them."""
+    return f"{n / MB:,.1f} MiB" if n >= MB else f"{n / 1024:,.1f} KiB"
 
 
 def describe(plan: MemoryPlan) -> str:

@@ -103,11 +103,11 @@ def _speed(step: StepTime | None) -> str:
 
 
 def _size(value: int | None) -> str:
-    return "—" if value is None else f"{value / MB:,.1f} MB"
+    return "—" if value is None else f"{value / MB:,.1f} MiB"
 
 
 def target_table(name: str, plans: dict[str, TargetPlan]) -> str:
-    """One target's plans as a markdown table (MB), one row per variant, its fastest fitting config below."""
+    """One target's plans as a markdown table (MiB), one row per variant, its fastest fitting config below."""
     lines = [
         f"Target: {name}",
         "",

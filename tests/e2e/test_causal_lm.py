@@ -73,7 +73,7 @@ def test_causal_lm_experiment_runs_offline_with_lora_and_reports_generation_qual
         "Exact match",
         "Token accuracy",
         "Perplexity",
-        "Trainable params",
+        "Trainable param memory",
         "Padding",
         "Δ exact match vs baseline",
     )

@@ -74,7 +74,9 @@ def test_strategy_grid_in_one_dvc_repro_reports_relative_to_vanilla(project_copy
         compared = compare_view_metrics(url, experiment_id, trial_ids)
     assert compared == ["test_accuracy"], compared
     assert len(trial_ids) == len(STRATEGIES)
-    trial_rows = {name: row for name in STRATEGIES for row in rows if re.search(rf"\b{re.escape(name)}-\w+", row)}
+    # Each trial's row is named by what it varies: its variant and seed.
+    named = {name: re.compile(rf"\b{re.escape(name)} · seed \d+") for name in STRATEGIES}
+    trial_rows = {name: row for name, pattern in named.items() for row in rows if pattern.search(row)}
     assert set(trial_rows) == set(STRATEGIES), rows
     for name, row in trial_rows.items():
         for split in ("train", "validation", "test"):

@@ -87,7 +87,7 @@ def test_a_budget_below_every_plan_is_refused_with_the_leanest_plan(default_para
     params, *_ = bert_case(default_params, {})
     plan, *_ = planner(default_params)
     tiny = apply_overrides(params, {"memory_budget": "100KB", "strategy": "auto"})
-    with pytest.raises(UserError, match=r"memory_budget = 97\.7 KB: no plan fits.*the leanest .* needs .* KB"):
+    with pytest.raises(UserError, match=r"memory_budget = 97\.7 KiB: no plan fits.*the leanest .* needs .* KiB"):
         choose_strategy(tiny, plan, CPU)
 
 

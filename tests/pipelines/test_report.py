@@ -66,8 +66,8 @@ def test_every_table_value_is_the_stored_metric_and_relative_to_vanilla(tmp_path
                 assert f"({relative}" in cell, (column, cell)
     vanilla, fast, lean = (dict(zip(header, cells, strict=True)) for cells in body)
     # One run per variant: time has no noise estimate (no mark); exact byte counts differ beyond noise (*).
-    assert fast["Train time"] == "30.0 s (50%)" and lean["Peak train memory"] == "95.4 MB (25%*)"
-    assert vanilla["Accuracy"] == "80.00 [77.0, 83.0]" and vanilla[DELTA_HEADER] == "–"
+    assert fast["Train time"] == "30.0 s (50%)" and lean["Peak train memory"] == "95.4 MiB (25%*)"
+    assert vanilla["Accuracy"] == "80.00% [77.0, 83.0]" and vanilla[DELTA_HEADER] == "–"
     # 1 point on 600 test rows: the binomial noise is about 2.3 points at 95%.
     assert fast[DELTA_HEADER] == "+1.00, within noise"
 
@@ -158,7 +158,7 @@ def test_repeated_variants_show_mean_sd_and_mark_differences_beyond_the_noise(tm
     assert rows["vanilla"]["Train time"] == "61.0 s ± 1.0 (n=3) (100%)"
     assert rows["slower"]["Train time"] == "91.0 s ± 1.0 (n=3) (149%*)"
     assert rows["same"]["Train time"] == "61.5 s ± 1.0 (n=3) (101%, within noise)"
-    assert rows["same"]["Accuracy"] == "81.00 ± 1.00 (n=3)" and rows["same"][DELTA_HEADER] == "+0.00, within noise"
+    assert rows["same"]["Accuracy"] == "81.00% ± 1.00 (n=3)" and rows["same"][DELTA_HEADER] == "+0.00, within noise"
 
 
 def test_quality_columns_follow_the_task_and_trainable_params_show_once():
@@ -167,8 +167,8 @@ def test_quality_columns_follow_the_task_and_trainable_params_show_once():
     lora = TrialRow("lora", "r", "FINISHED", {"frozen_param_bytes": 1e6, "trainable_param_bytes": 1e4}, {})
     for task, first in (("classification", "Accuracy"), ("causal_lm", "Exact match"), ("seq2seq", "BLEU")):
         headers = [c.header for c in columns_for(task, [lora])]
-        assert headers.count("Trainable params") == 1 and first in headers
-        assert "Trainable params" not in [c.header for c in columns_for(task, [])]
+        assert headers.count("Trainable param memory") == 1 and first in headers
+        assert "Trainable param memory" not in [c.header for c in columns_for(task, [])]
     assert delta_header("seq2seq") == "Δ BLEU vs baseline" and delta_header("causal_lm") == "Δ exact match vs baseline"
 
 
@@ -201,8 +201,8 @@ def test_a_planned_trial_shows_its_predicted_peak_and_the_error(tmp_path: Path):
         logger.close()
     header, *body = comparison_table(load_rows(client, experiment_id, parent))
     cells = {row[0]: dict(zip(header, row, strict=True)) for row in body}
-    assert cells["vanilla"]["Predicted peak"] == "381.5 MB (+0.0% vs measured)"
-    assert cells["lean"]["Predicted peak"] == "104.9 MB (+10.0% vs measured)"
+    assert cells["vanilla"]["Predicted peak"] == "381.5 MiB (+0.0% vs measured)"
+    assert cells["lean"]["Predicted peak"] == "104.9 MiB (+10.0% vs measured)"
 
 
 def test_noise_marks_use_welchs_t_at_the_repeats_degrees_of_freedom():
