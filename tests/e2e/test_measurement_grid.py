@@ -75,8 +75,10 @@ def test_grid_memory_time_and_noise_are_each_trials_own(project_copy: Path):
     assert all(t.data.tags["peak_rss"] == "reset at trial start" for t in trials.values())
     assert len({metrics["peak_train_memory_bytes"] for metrics in m.values()}) == len(GRID)
 
-    # Time: optimizer steps only; checkpointing recomputes the forward pass, so it is slower.
-    assert m["grad_checkpointing"]["train_time_s"] > vanilla["train_time_s"]
+    # Checkpointing recomputes the forward pass: its step executes a third more FLOPs (the plan counts what runs).
+    # Whether it is also slower on a shared 2-core host is a benchmark's question: as a timed assert it flaked
+    # (16.4 s against vanilla's 16.7 s in one CI run, on a host whose matmul speed moved 3x within the hour).
+    assert m["grad_checkpointing"]["predicted_step_flops"] > 1.2 * vanilla["predicted_step_flops"]
     for metrics in m.values():
         regions = sum(metrics[k] for k in ("setup_time_s", "warmup_time_s", "train_time_s", "val_time_s"))
         assert metrics["wall_time_s"] > regions and metrics["val_time_s"] > 0
