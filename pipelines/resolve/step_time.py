@@ -82,7 +82,10 @@ def local_peak_flops() -> float:
     """This host's fp32 matmul FLOP/s: the best of 6 bursts of 1024 x 1024 products (about 0.3 s, once per process),
     and of every earlier measurement on this machine, kept under `.cache/torch/` (a burst can only be slowed by
     other work, never sped up: on the shared 2-core host one process measured 75 GFLOP/s and another 197)."""
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    # Its own generator: drawing from torch's global one would shift every later draw of the trial (its dropout
+    # masks), so a run's result would depend on whether its step time was predicted.
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(1024, 1024, generator=generator), torch.randn(1024, 1024, generator=generator)
     a @ b  # warm the kernel and its threads
     best = 0.0
     for _ in range(6):
