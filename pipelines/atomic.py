@@ -62,6 +62,7 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write_json(target: str | os.PathLike[str], data: Any) -> None:
-    """Write `data` as indented, key-sorted JSON (stable bytes for DVC) atomically."""
-    atomic_write_text(target, json.dumps(data, indent=2, sort_keys=True) + "\n")
+def atomic_write_json(target: str | os.PathLike[str], data: Any, sort_keys: bool = True) -> None:
+    """Write `data` as indented JSON atomically; key-sorted (stable bytes for DVC) unless its order means something
+    (a metrics file's first keys are `dvc exp show`'s first columns)."""
+    atomic_write_text(target, json.dumps(data, indent=2, sort_keys=sort_keys) + "\n")

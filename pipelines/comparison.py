@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient  # the client is passed in: pipelines.tracking opens it
 
+from pipelines.host_load import is_under_load
 from pipelines.noise import binomial_se, exceeds_noise, mean_sd, repeats_se
 from pipelines.task_registry import TASKS
 from pipelines.tracking.runs import child_runs
@@ -41,6 +42,7 @@ class Column:
     noise: Noise = "none"
     interval: bool = False  # the metric has `<metric>_ci_low` / `_ci_high` (a 95% interval)
     versus: str | None = None  # also print the error in % against this metric of the same run (prediction)
+    timed: bool = False  # measured by a clock: marked when the host was under load (pipelines.host_load)
 
     @property
     def axis_label(self) -> str:
@@ -50,10 +52,10 @@ class Column:
 
 # Time and memory: the same for every task.
 SPEED_MEMORY_COLUMNS = (
-    Column("Train time", "train_time_s", " s", relative=True, noise="repeats"),
-    Column("Wall time", "wall_time_s", " s"),
-    Column("Samples/s", "samples_per_s", digits=0),
-    Column("Tokens/s", "tokens_per_s", digits=0),
+    Column("Train time", "train_time_s", " s", relative=True, noise="repeats", timed=True),
+    Column("Wall time", "wall_time_s", " s", timed=True),
+    Column("Samples/s", "samples_per_s", digits=0, timed=True),
+    Column("Tokens/s", "tokens_per_s", digits=0, timed=True),
     Column("Padding", "padding_fraction", "%", scale=100),  # of the batches' positions (bucketing, packing)
     Column("Peak train memory", "peak_train_memory_bytes", " MiB", scale=1 / MB, relative=True, noise="exact"),
     Column("Optimizer state", "optimizer_state_bytes", " MiB", scale=1 / MB, digits=2, relative=True, noise="exact"),
@@ -186,6 +188,21 @@ def load_rows(client: MlflowClient, experiment_id: str, parent_run_id: str) -> l
     return rows
 
 
+def with_last_commit(client: MlflowClient, rows: list[TrialRow], run_id: str | None, commit: str) -> list[TrialRow]:
+    """A one-variant run (a `dvc exp run` changing one knob) compared with the best trial of the commit it started
+    from, put first as the baseline, when the store has that run finished; else the rows as they are."""
+    if run_id is None or len(group_rows(rows)) != 1 or run_id in {r.run_id for r in rows}:
+        return rows
+    try:
+        run = client.get_run(run_id)
+    except Exception:  # noqa: BLE001 - MlflowException (not imported here): a store without that run, no baseline
+        return rows
+    if run.info.status != "FINISHED":
+        return rows
+    name = f"last commit {commit[:7]}: {run.data.tags.get('variant', run.info.run_name)}"
+    return [TrialRow(name, run_id, "FINISHED", dict(run.data.metrics), dict(run.data.tags)), *rows]
+
+
 def group_rows(rows: list[TrialRow]) -> list[VariantGroup]:
     """Finished runs grouped by variant, in first-seen order (the baseline first)."""
     groups: dict[str, VariantGroup] = {}
@@ -225,12 +242,34 @@ def noise_mark(column: Column, group: VariantGroup, baseline: VariantGroup) -> s
     return "*" if exceeds_noise(mine - theirs, *noise) else ", within noise"
 
 
+UNDER_LOAD = " †"
+
+
+def under_load(group: VariantGroup) -> bool:
+    """Whether any of a group's trials ran with more runnable threads than usable cores (its times are slowed)."""
+    return any(is_under_load(r.metrics.get("host_load_mean"), r.metrics.get("host_cores")) for r in group.rows)
+
+
+def load_note(rows: list[TrialRow]) -> str | None:
+    """Name the trials whose times were taken under load, with the load, so no one compares them as quiet."""
+    loaded = [r for g in group_rows(rows) if under_load(g) for r in g.rows]
+    if not loaded:
+        return None
+    each = ", ".join(f"{r.name}: load {r.metrics['host_load_mean']:.1f} on {r.metrics['host_cores']:.0f} cores"
+                     for r in loaded)  # fmt: skip
+    return (
+        f"†: timed under load ({each}): the host had more runnable threads than cores, so these times are "
+        "slower than the same run on a quiet host; compare them only with times taken under a like load."
+    )
+
+
 def _value_cell(column: Column, group: VariantGroup) -> str:
     values = group.values(column.metric)
     if len(values) > 1:
         mean, sd = mean_sd(values)
-        return f"{format_metric(mean, column)} ± {sd * column.scale:,.{column.digits}f} (n={len(values)})"
-    cell = format_metric(values[0], column)
+        mark = UNDER_LOAD if column.timed and under_load(group) else ""
+        return f"{format_metric(mean, column)}{mark} ± {sd * column.scale:,.{column.digits}f} (n={len(values)})"
+    cell = format_metric(values[0], column) + (UNDER_LOAD if column.timed and under_load(group) else "")
     metrics = group.rows[0].metrics
     low, high = metrics.get(f"{column.metric}_ci_low"), metrics.get(f"{column.metric}_ci_high")
     if column.interval and low is not None and high is not None:

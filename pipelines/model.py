@@ -62,10 +62,12 @@ def check_hub_reachable(model: ModelParams) -> None:
 
 
 def build_model(
-    model: ModelParams, label_names: list[str], vocab_size: int, max_length: int, root: Path, *, weights: bool = True
-) -> PreTrainedModel:
+    model: ModelParams, label_names: list[str], vocab_size: int, max_length: int, root: Path, *, weights: bool = True,
+    layers: int | None = None,
+) -> PreTrainedModel:  # fmt: skip
     """Return a sequence classifier with `len(label_names)` outputs and named labels (see `load_pretrained`
-    for `weights`)."""
+    for `weights`; `layers`: that many blocks instead of the config's, for a plan by depth)."""
+    depth = {"num_hidden_layers": layers} if layers else {}
     id2label = dict(enumerate(label_names))
     label2id = {name: i for i, name in id2label.items()}
     if model.name_or_path is None:
@@ -73,7 +75,7 @@ def build_model(
         config = BertConfig(
             vocab_size=vocab_size,
             hidden_size=cfg.hidden_size,
-            num_hidden_layers=cfg.num_hidden_layers,
+            num_hidden_layers=layers or cfg.num_hidden_layers,
             num_attention_heads=cfg.num_attention_heads,
             intermediate_size=cfg.intermediate_size,
             hidden_dropout_prob=cfg.dropout,
@@ -92,6 +94,7 @@ def build_model(
         num_labels=len(label_names),
         id2label=id2label,
         label2id=label2id,
+        **depth,
     )
 
 

@@ -39,6 +39,9 @@ class TrialProgress:
         self.start = clock()
         self.step, self.total, self.loss, self.rows, self.rate = 0, 0, float("nan"), 0.0, float("nan")
         self._last: tuple[float, float] | None = None  # (time, rows) at the previous log point
+        # (time, rows) at the first log point of the epoch: the epoch line's samples/s is the epoch's own, from
+        # here to its last log point, not the last interval's (which read 652 for an epoch that ran at 155)
+        self._epoch_mark: tuple[float, float] | None = None
         self._last_line = self.start  # when the last progress line was said (no bar)
         self._bar: Any = None
 
@@ -51,6 +54,8 @@ class TrialProgress:
         if self._last is not None and now > self._last[0]:
             self.rate = (rows - self._last[1]) / (now - self._last[0])
         self._last, self.rows = (now, rows), rows
+        if self._epoch_mark is None:
+            self._epoch_mark = self._last
         if self.make_bar is not None:
             self._draw()
         elif now - self._last_line >= LINE_EVERY_S:
@@ -76,14 +81,22 @@ class TrialProgress:
         """Say (and return) the epoch's summary line."""
         parts = [f"epoch {epoch}/{self.epochs}", f"step {step}/{self.total or '?'}", f"loss {self.loss:.4f}"]
         parts += [f"{k} {v:.4f}" for k, v in metrics.items() if not k.endswith("_s")]
-        if self.rate == self.rate:  # not NaN
-            parts.append(f"{self.rate:.0f} samples/s")
+        rate = self.epoch_rate()
+        if rate == rate:  # not NaN
+            parts.append(f"{rate:.0f} samples/s")
         parts.append(f"{_duration(self.clock() - self.start)} elapsed")
         if epoch < self.epochs and self.eta_s() == self.eta_s():
             parts.append(f"about {_duration(self.eta_s())} left")
         line = ", ".join(parts)
         self.say(line)
+        self._epoch_mark = self._last  # the next epoch is timed from here
         return line
+
+    def epoch_rate(self) -> float:
+        """Samples/s over this epoch's log points (NaN before two of them)."""
+        if self._epoch_mark is None or self._last is None or self._last[0] <= self._epoch_mark[0]:
+            return float("nan")
+        return (self._last[1] - self._epoch_mark[1]) / (self._last[0] - self._epoch_mark[0])
 
     def close(self) -> None:
         if self._bar is not None:

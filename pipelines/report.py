@@ -29,10 +29,12 @@ from pipelines.comparison import (  # noqa: E402
     comparison_table,
     format_metric,
     format_relative,
+    load_note,
     load_rows,
     quality_columns,
     task_of_rows,
     unknown_noise_note,
+    with_last_commit,
 )
 
 __all__ = ["build_report", "comparison_table", "format_metric", "format_relative", "load_rows"]
@@ -231,7 +233,7 @@ def collect_content(rows: list[TrialRow], parent_run_id: str, experiment_id: str
         intro=f"MLflow parent run `{parent_run_id}`, experiment `{experiment_id}`. "
         f"Percentages are relative to the baseline trial `{baseline}`.",
         table=comparison_table(rows),
-        notes=[LEGEND] + [note for note in (unknown_noise_note(rows),) if note],
+        notes=[LEGEND] + [note for note in (unknown_noise_note(rows), load_note(rows)) if note],
         padding=_padding_text(rows),
         environment={k.removeprefix("env."): v for k, v in sorted(tags.items()) if k.startswith("env.")},
         not_finished=[_not_finished(r) for r in rows if r.status != "FINISHED"],
@@ -293,9 +295,18 @@ def render_html(content: ReportContent, image_dir: Path) -> str:
     )
 
 
-def build_report(client: MlflowClient, experiment_id: str, parent_run_id: str, out_dir: Path) -> str:
-    """Write report.md, report.html and the PNGs into `out_dir`; return the markdown."""
+def build_report(
+    client: MlflowClient,
+    experiment_id: str,
+    parent_run_id: str,
+    out_dir: Path,
+    last_commit: tuple[str, str] | None = None,
+) -> str:
+    """Write report.md, report.html and the PNGs into `out_dir`; return the markdown. `last_commit` (the best
+    trial's run id of the commit this run started from, and the commit) is the baseline of a one-variant run."""
     rows = load_rows(client, experiment_id, parent_run_id)
+    if last_commit is not None:
+        rows = with_last_commit(client, rows, *last_commit)
     plot_comparison(rows, out_dir / "comparison.png")
     plot_tradeoff(rows, out_dir / "tradeoff.png")
     plot_loss_curves(client, rows, out_dir / "loss_curves.png")

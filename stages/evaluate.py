@@ -26,9 +26,10 @@ PREDICTIONS = Path("predictions/test.csv")
 
 def main() -> None:
     params = load_params()
-    from pipelines.evaluation import evaluate_saved_model
+    from pipelines.evaluation import dvc_metrics, evaluate_saved_model
     from pipelines.tracking.mlflow_model import model_to_evaluate
     from pipelines.tracking.runs import log_evaluation, open_store
+    from pipelines.tracking.status import training_figures
 
     # The store first: it closes runs whose process died (kill -9) even if evaluation fails below.
     client, _ = open_store(params.tracking, resolve_repo_root())
@@ -39,9 +40,9 @@ def main() -> None:
     # DVC declares both plots for every task; each task fills them its own way (generation: see answer_plots).
     atomic_write_json(CONFUSION, result.plots.get("confusion", []))
     atomic_write_json(PER_CLASS, result.plots.get("per_class", []))
-    # The headline for `dvc exp show` / `dvc metrics diff`; per-class figures (dotted names) go to MLflow and
-    # plots/per_class.json, not into every experiment's columns.
-    atomic_write_json(METRICS, {k: v for k, v in result.metrics.items() if "." not in k})
+    # `dvc exp show`'s and `dvc metrics diff`'s one metrics file: quality, then time and memory, first.
+    figures = dvc_metrics(params.task, result.metrics, training_figures(client, run_id))
+    atomic_write_json(METRICS, figures, sort_keys=False)
     log_evaluation(client, run_id, result.metrics, [METRICS, PREDICTIONS])
 
 

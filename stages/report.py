@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 from pipelines.atomic import atomic_dir
@@ -10,7 +11,23 @@ from pipelines.errors import run_cli
 from pipelines.params import load_params, resolve_repo_root
 
 TRIALS = Path("models/trials.json")
+TRAIN_METRICS = Path("metrics/train.json")
 OUT_DIR = Path("reports")
+
+
+def last_commit_best_run() -> tuple[str, str] | None:
+    """(the best trial's MLflow run id, the commit) of the last commit's train stage (`git show HEAD:` of its
+    metrics file, which git tracks): a `dvc exp run` starts from that commit, so its one trial is compared with it."""
+
+    def git(*args: str) -> str | None:
+        done = subprocess.run(["git", *args], capture_output=True, text=True, check=False)
+        return done.stdout if done.returncode == 0 else None
+
+    shown, commit = git("show", f"HEAD:{TRAIN_METRICS.as_posix()}"), git("rev-parse", "HEAD")
+    if not shown or not commit:
+        return None  # no git, no commit yet, or a commit before the train stage ran
+    run_id = json.loads(shown).get("mlflow_run_id")
+    return (run_id, commit.strip()) if run_id else None
 
 
 def main() -> None:
@@ -21,7 +38,7 @@ def main() -> None:
     summary = json.loads(TRIALS.read_text())
     client, _ = open_store(params.tracking, resolve_repo_root())
     with atomic_dir(OUT_DIR) as tmp:
-        build_report(client, summary["experiment_id"], summary["parent_run_id"], tmp)
+        build_report(client, summary["experiment_id"], summary["parent_run_id"], tmp, last_commit_best_run())
     client.log_artifacts(summary["parent_run_id"], str(OUT_DIR), artifact_path="report")
 
 

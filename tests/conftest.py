@@ -61,9 +61,13 @@ def git_env() -> dict[str, str]:
     return env
 
 
-def run(cmd: list[str], cwd: Path, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run a command, capturing output; on failure the assertion shows both streams."""
-    proc = subprocess.run(cmd, cwd=cwd, env=git_env(), capture_output=True, text=True, timeout=timeout)
+def run(
+    cmd: list[str], cwd: Path, timeout: float = 600, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run a command (with `env` added to the environment), capturing output; on failure the assertion shows both
+    streams."""
+    proc = subprocess.run(cmd, cwd=cwd, env={**git_env(), **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
     if check:
         assert proc.returncode == 0, (
             f"{cmd} exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}"

@@ -144,7 +144,8 @@ def _tiers(params: Params, target: PlanTarget, lora_allowed: bool, planning: boo
         yield [{"adapter.type": "lora", **extra} for extra in ({}, *lean)]
 
 
-def _changes(params: Params, chosen: Params) -> list[str]:
+def changed_settings(params: Params, chosen: Params) -> list[str]:
+    """The settings the search changed, as `key: value` (the adapter type too)."""
     keys = (
         "precision", "grad_checkpointing", "grad_checkpointing_every", "activation_offload", "optim", "batch_size",
         "grad_accum_steps",
@@ -194,7 +195,7 @@ def choose_strategy(
         fits = _fits_in_tier(params, changes, plan, target, budget)
         if fits:
             seconds, _, _, chosen, predicted = min(fits, key=lambda fit: fit[:3])
-            changed = ", ".join(_changes(params, chosen)) or "nothing changed"
+            changed = ", ".join(changed_settings(params, chosen)) or "nothing changed"
             why = (
                 f"strategy auto (tier {tier} of 2, {len(fits)} plans fit memory_budget {size(budget)}): {changed}; "
                 f"predicted peak {describe(predicted)}; {predicted.step_flops / 1e9:,.2f} GFLOP per step, "
@@ -230,7 +231,7 @@ def _refuse_if_nothing_fits(params: Params, plan: Planner, target: PlanTarget, b
         raise UserError(
             f"memory_budget = {size(budget)}: no plan fits, with any precision, checkpointing, micro-batch down to "
             f"1 row, a lean optimizer{' or LoRA' if lora_allowed else ''}; the leanest "
-            f"({', '.join(_changes(params, leanest[0]))}) needs {describe(leanest[1])}. Raise memory_budget, "
+            f"({', '.join(changed_settings(params, leanest[0]))}) needs {describe(leanest[1])}. Raise memory_budget, "
             "shorten data.max_length, or use a smaller model"
         )
 
@@ -254,7 +255,8 @@ def _fits_in_tier(
                 chosen, predicted = found
                 step = predict_step(predicted, precision, target, params.tf32)
                 seconds = step.compiled_s if chosen.compile is True else step.eager_s
-                fits.append((seconds, chosen.grad_accum_steps, len(_changes(params, chosen)), chosen, predicted))
+                changed = len(changed_settings(params, chosen))
+                fits.append((seconds, chosen.grad_accum_steps, changed, chosen, predicted))
                 if chosen.batch_size == effective_batch(chosen):
                     break
     return fits

@@ -136,6 +136,12 @@ def cuda_autocast(dtype: torch.dtype) -> Iterator[CudaAutocast]:
         yield mode
 
 
+def plan_rules_class(card: GpuProfile) -> tuple[bool, bool]:
+    """What of a card the fake step's rules read (`sdpa_backend`'s capability tests): cards alike here get the same
+    plan, so a plan for several cards is made once per class (pipelines.resolve.plan_report)."""
+    return card.capability >= (8, 0), card.capability >= (5, 0)
+
+
 def sdpa_backend(card: GpuProfile, dtype: torch.dtype, head_dim: int, masked: bool) -> str:
     """The kernel torch's SDPA dispatch picks on `card`: flash, efficient or math (torch's sdp_utils rules)."""
     ampere = card.capability >= (8, 0)

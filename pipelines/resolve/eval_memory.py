@@ -20,7 +20,7 @@ from pipelines.data.tokenization import TokenizedSplit
 from pipelines.params import Params
 from pipelines.runtime import Runtime, eval_mode
 from pipelines.tasks.base import GenerationProbe, Task
-from pipelines.train.memory import track_step
+from pipelines.train.memory import restart_peak, track_step
 
 
 def largest_eval_batch(split: TokenizedSplit, params: Params, task: Task, runtime: Runtime) -> dict[str, torch.Tensor]:
@@ -57,18 +57,22 @@ def grow_cache(cache: object, positions: int) -> None:
         layer.values = torch.cat([layer.values, layer.values.new_zeros(shape)], dim=-2)
 
 
-def generation_peak(model: nn.Module, probe: GenerationProbe, runtime: Runtime) -> int:
-    """Peak bytes (MemTracker) of generation's prefill, then its last step with the cache at its final length,
-    beside the weights alone (the evaluate stage has no optimizer)."""
+def generation_peaks(model: nn.Module, probe: GenerationProbe, runtime: Runtime) -> tuple[int, int]:
+    """Peak bytes (MemTracker) of generation's prefill, and of its last step with the cache at its final length,
+    beside the weights alone (the evaluate stage has no optimizer); generation's peak is the larger. Apart, because
+    each grows with the model's depth at its own rate (a plan by depth extrapolates each: resolve/plan_depth)."""
     idle = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+    prefill: list[int] = []
 
     def generate(meter: object) -> None:
         with torch.no_grad(), runtime.autocast():
             out = model(**probe.prefill)
             meter.tracker.reset_mod_stats()  # type: ignore[attr-defined]  # a second forward follows
+            prefill.append(restart_peak(meter.tracker))  # type: ignore[attr-defined]
             cache = out.past_key_values
             grow_cache(cache, probe.new_tokens)
             model(**probe.step(out, cache))
 
     with eval_mode(model):
-        return track_step(model, idle, runtime.device, generate).total
+        last_step = track_step(model, idle, runtime.device, generate).total
+    return prefill[0], last_step

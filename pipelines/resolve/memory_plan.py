@@ -39,16 +39,17 @@ from pipelines.data.loader import in_process, make_loader
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.params import Params
-from pipelines.resolve.eval_memory import generation_peak, largest_eval_batch, validation_peak
+from pipelines.repeats import counted_repeats
+from pipelines.resolve.eval_memory import generation_peaks, largest_eval_batch, validation_peak
 from pipelines.resolve.qlora_plan import EightBitAdamWPlan, as_qlora
 from pipelines.resolve.target import CPU_TARGET, PlanTarget
 from pipelines.runtime import ResolvedPrecision, Runtime, resolve_pad_multiple
 from pipelines.tasks.base import Task
 from pipelines.train.fast_dropout import fast_dropout
-from pipelines.train.flops import KernelCounter, flop_counter
+from pipelines.train.flops import FlopRepeats, KernelCounter, flop_counter
 from pipelines.train.memory import MemoryAtPeak, track_step
 from pipelines.train.memory_levers import apply_memory_levers, resolve_loss
-from pipelines.train.optim import build_optimizer
+from pipelines.train.optim import build_optimizer, create_fresh_state
 from pipelines.train.parallel import sharding_units
 from pipelines.train.step import TrainStep, make_scaler
 from pipelines.train.windows import plan_windows, training_sampler, window_units
@@ -88,6 +89,7 @@ class MemoryPlan:
     positions: int = 0
     eval_peak: int = 0  # validation's largest scoring batch, beside weights and optimizer state (resolve/eval_memory)
     generation_peak: int = 0  # the evaluate stage's largest generation batch, beside the weights (resolve/eval_memory)
+    generation_phases: tuple[int, int] = (0, 0)  # its prefill's peak and its last step's; generation_peak is the larger
     target: str = "cpu"  # the device modelled: cpu or a GPU profile (pipelines.resolve.target)
     step_kernels: int = 0  # ops the window's forwards and backwards launch, eager (flops.KernelCounter)
     update_kernels: int = 0  # ops the optimizer update launches (clip, scaler, step, zero)
@@ -164,21 +166,36 @@ def _track_counting_flops(
     step: Callable[[object | None], None], model: nn.Module, optimizer: torch.optim.Optimizer, checkpointing: bool,
     scale: float, kernels: KernelCounter,
 ) -> tuple[MemoryAtPeak, int, int]:  # fmt: skip
-    """The tracked step's peak (after an untracked step that makes the optimizer state), the FLOPs of a step as torch
-    counts them (matmuls, convolutions, attention) and the model's FLOPs (without checkpointing's recomputed
-    forward), both times `scale`.
+    """The tracked step's peak (the optimizer state made first), the FLOPs of a step as torch counts them (matmuls,
+    convolutions, attention) and the model's FLOPs (without checkpointing's recomputed forward), both times `scale`.
 
-    The FLOPs are counted in the untracked step: its forward and backward are every step's, and an optimizer step
-    has none of those ops. So a plan runs two fake steps, not three (a third, with checkpointing off, for the
-    model's FLOPs under checkpointing)."""
-    with kernels:  # launches: the forwards and backwards of the first step, the update of the second (steady state)
-        with flop_counter(model_work=False) as hardware, flop_counter(model_work=True) as model_work:
-            step(None)  # nested dispatch modes each see every op
-        kernels.step = 1
-        peak = track_step(model, optimizer, CPU, step)
+    Where the optimizer's fresh state can be made without a step (`create_fresh_state`, as the trainer does), the
+    FLOPs and launches are counted in the tracked step itself: one fake step, which is most of a plan's time (an
+    8B-shaped model's search makes dozens of plans). Else an untracked step makes the state and is counted: its
+    forward and backward are every step's, and an optimizer step has none of those ops. A third step, with
+    checkpointing off, counts the model's FLOPs under checkpointing."""
+    with kernels:  # launches: the forwards and backwards, and the update of the steady state (step 1)
+        # Not under checkpointing: torch's FLOP counter hooks the modules, and the hooks of a recomputed forward
+        # kept its activations alive through the tracked backward (a BERT plan's peak rose by half).
+        fresh = not checkpointing and create_fresh_state(model, optimizer)
+        if fresh:
+            kernels.step = 1
+        with (
+            flop_counter(model_work=False) as hardware,
+            flop_counter(model_work=True) as model_work,
+            counted_repeats(kernels, FlopRepeats(hardware), FlopRepeats(model_work)),
+        ):  # the chunked loss's loop
+            if fresh:  # nested dispatch modes each see every op: the tracker's too
+                peak = track_step(model, optimizer, CPU, step)
+            else:
+                step(None)
+        if not fresh:
+            kernels.step = 1
+            with counted_repeats(kernels):
+                peak = track_step(model, optimizer, CPU, step)
     if checkpointing:
         model.activation_checkpointing_disable()
-        with flop_counter(model_work=True) as model_work:
+        with flop_counter(model_work=True) as model_work, counted_repeats(FlopRepeats(model_work)):
             step(None)
     return peak, int(hardware.get_total_flops() * scale), int(model_work.get_total_flops() * scale)
 
@@ -230,11 +247,12 @@ def _fake_model(
 
 def _evaluation_peaks(
     step: TrainStep, eval_batch: dict[str, torch.Tensor], train: TokenizedSplit, params: Params
-) -> tuple[int, int]:
-    """Validation's largest scoring batch beside the optimizer state, and the evaluate stage's generation."""
+) -> tuple[int, tuple[int, int]]:
+    """Validation's largest scoring batch beside the optimizer state, and the evaluate stage's generation (its
+    prefill's peak and its last step's)."""
     validation = validation_peak(step.model, step.optimizer, eval_batch, step.runtime, step.task)
     probe = step.task.generation_probe(train, params)
-    return validation, 0 if probe is None else generation_peak(step.model, probe, step.runtime)
+    return validation, (0, 0) if probe is None else generation_peaks(step.model, probe, step.runtime)
 
 
 def _all_fake(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
@@ -355,7 +373,7 @@ def plan_memory(
                                                                   scale, kernels)  # fmt: skip
         state = [v for kept in optimizer.state.values() for v in kept.values() if isinstance(v, torch.Tensor)]
         state = [v for v in state if v.numel() > 1]  # as the trial counts: moments and factors, not scalar steps
-        with target.rules():
+        with target.rules(), counted_repeats():  # memory only: nothing here is counted
             eval_peak, generation = _evaluation_peaks(train_step, eval_batch, train, params)
     plan = MemoryPlan(
         peak=peak.total,
@@ -371,9 +389,12 @@ def plan_memory(
         model_flops=model_flops,
         positions=all_positions,
         eval_peak=eval_peak,
-        generation_peak=generation,
+        generation_peak=max(generation),
+        generation_phases=generation,
         target=target.name,
-        step_kernels=round(kernels.count("accumulate") * len(window) / len(batches)),  # as the FLOPs: for the window
+        # As the FLOPs, for the window: counted in the untracked step (0), else in the tracked one (1).
+        step_kernels=round((kernels.count("accumulate") or kernels.count("accumulate", step=1)) * len(window)
+                           / len(batches)),
         update_kernels=kernels.count("update", step=1),
         micro_batches=len(window), mean_positions=mean_positions,
     )  # fmt: skip

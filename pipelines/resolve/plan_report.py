@@ -9,13 +9,14 @@ compiled with the samples/s it gives (`pipelines.resolve.step_time`).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from pipelines.data.tokenization import TOKENIZER_DIR, TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.params import Params, apply_overrides
-from pipelines.resolve.budget import budget_bytes, choose_strategy
+from pipelines.resolve.budget import budget_bytes, changed_settings, choose_strategy
 from pipelines.resolve.memory_plan import MB, MemoryPlan, PlanUnavailable
 from pipelines.resolve.preflight import trial_planner
 from pipelines.resolve.step_time import StepTime, predict_step
@@ -33,6 +34,9 @@ class TargetPlan:
     fastest: str | None = None  # the fastest fitting configuration's changes and plan, or why none fits
     unavailable: str | None = None
     step: StepTime | None = None  # predicted step time, eager and compiled (pipelines.resolve.step_time)
+    room: int | None = None  # bytes to spare on the card (negative: over), reserve counted; None on the CPU
+    recommended: str | None = None  # the precision of the fastest configuration that fits; None when none fits
+    advice: str | None = None  # the fastest fitting configuration in plain words, or what would fit
 
     def as_json(self) -> dict[str, object]:
         """The entry of metrics/plan.json."""
@@ -54,33 +58,63 @@ def plan_targets(
     base = params.model_copy(update={"tune": params.tune.model_copy(update={"variants": {}, "search_space": {}})})
     variants = {name: apply_overrides(base, dict(o)) for name, o in (params.tune.variants or {"default": {}}).items()}
     out: dict[str, dict[str, TargetPlan]] = {}
+    shared: dict[tuple[str, str], MemoryPlan] = {}  # (target's plan key, params): cards alike plan alike, once
     for target in targets:
         out[target.name] = {}
         for name, variant in variants.items():
             task = get_task(variant.task)
             rows = task.training_split(train, variant, None)  # a packed run's packs, as its trial makes them
-            planner = trial_planner(task, rows, tokenizer, tokenized, root, target)
+            planner = _shared(trial_planner(task, rows, tokenizer, tokenized, root, target), target, shared)
             out[target.name][name] = _on_target(variant, planner, target, fastest)
     return out
+
+
+def _shared(
+    plan: Callable[[Params], MemoryPlan], target: PlanTarget, cache: dict[tuple[str, str], MemoryPlan]
+) -> Callable[[Params], MemoryPlan]:
+    """`plan` on `target`, taken from `cache` when a target with the same plan key planned these params (the plan
+    named for this target); an 8B-shaped model's search for three cards plans each candidate once, not thrice."""
+
+    def planned(params: Params) -> MemoryPlan:
+        # The budget and the search's mode judge a plan; they do not change it (plan_memory reads neither).
+        judged = params.model_copy(update={"memory_budget": None, "strategy": "manual"})
+        key = (target.plan_key, judged.model_dump_json())
+        if key not in cache:
+            cache[key] = plan(params)
+        return replace(cache[key], target=target.name)
+
+    return planned
 
 
 def _on_target(variant: Params, planner: object, target: PlanTarget, fastest: bool) -> TargetPlan:
     card = target.card
     budget = card.name if card is not None else variant.memory_budget
-    best = _fastest(variant, planner, target, budget) if fastest and budget is not None else None
+    best = _fastest(variant, planner, target, budget) if fastest and budget is not None else Fastest(None, None, None)
+    advice = {"fastest": best.why, "recommended": best.precision, "advice": best.plain}
     try:
         precision = target.precision(variant)
         plan = planner(variant)  # type: ignore[operator]
     except (PlanUnavailable, UserError) as err:  # e.g. bf16 on a T4: the fastest fitting configuration still says
-        return TargetPlan(None, variant.precision, fastest=best, unavailable=str(err))
+        return TargetPlan(None, variant.precision, unavailable=str(err), **advice)  # type: ignore[arg-type]
     step = predict_step(plan, precision, target, variant.tf32)
     if card is not None:
-        return TargetPlan(plan, precision, card.reserve_bytes(plan.peak), card.fits(plan.peak), best, step=step)
+        reserve = card.reserve_bytes(plan.peak)
+        room = card.memory_bytes - plan.peak - reserve
+        return TargetPlan(plan, precision, reserve, card.fits(plan.peak), step=step, room=room, **advice)  # type: ignore[arg-type]
     fits = None if variant.memory_budget is None else plan.peak <= (budget_bytes(variant) or 0)
-    return TargetPlan(plan, precision, None, fits, best, step=step)
+    return TargetPlan(plan, precision, None, fits, step=step, **advice)  # type: ignore[arg-type]
 
 
-def _fastest(variant: Params, planner: object, target: PlanTarget, budget: int | str) -> str:
+@dataclass(frozen=True)
+class Fastest:
+    """The search's answer on a target: its reason line (as a trial logs it), the precision it chose, plain words."""
+
+    why: str | None
+    precision: str | None
+    plain: str | None
+
+
+def _fastest(variant: Params, planner: object, target: PlanTarget, budget: int | str) -> Fastest:
     """`strategy: auto`'s choice against `budget` on the target, or why nothing fits (a precision the card lacks is
     left to the search: it tries the card's 16-bit and fp32)."""
     changes: dict[str, object] = {"memory_budget": budget, "strategy": "auto"}
@@ -89,10 +123,33 @@ def _fastest(variant: Params, planner: object, target: PlanTarget, budget: int |
     except UserError:
         changes["precision"] = "auto"
     auto = apply_overrides(variant, changes)
+    where = f"the {target.name}" if target.card is not None else f"memory_budget {_gib(budget_bytes(auto) or 0)}"
     try:
-        return choose_strategy(auto, planner, target, planning=True).why  # type: ignore[arg-type]
+        choice = choose_strategy(auto, planner, target, planning=True)  # type: ignore[arg-type]
     except (PlanUnavailable, UserError) as err:
-        return f"none fits: {err}"
+        # The search's refusal names the budget in bytes first ("memory_budget = ...: "); here the card is named.
+        reason = str(err).split(": ", 1)[-1]
+        return Fastest(f"none fits: {err}", None, f"nothing fits {where}: {reason}")
+    changed = ", ".join(changed_settings(variant, choice.params)) or "as written"
+    step = predict_step(choice.plan, target.precision(choice.params), target, choice.params.tf32)
+    seconds = step.compiled_s if choice.params.compile is True else step.eager_s
+    budget_left = (budget_bytes(auto) or 0) - choice.plan.peak
+    plain = (f"fastest that fits {where}: {changed}; peak {_gib(choice.plan.peak)}, {_gib(budget_left)} to spare; "
+             f"about {1000 * seconds:,.0f} ms a step")  # fmt: skip
+    return Fastest(choice.why, target.precision(choice.params), plain)
+
+
+def _gib(value: int) -> str:
+    return f"{value / 2**30:,.1f} GiB"
+
+
+def _room(entry: TargetPlan) -> str:
+    """The Fits cell in plain words: yes or no, and by how much (the card's reserve counted)."""
+    if entry.fits is None:
+        return "—"
+    if entry.room is None:
+        return "yes" if entry.fits else "no"
+    return f"yes, {_gib(entry.room)} to spare" if entry.fits else f"no, {_gib(-entry.room)} over"
 
 
 def _speed(step: StepTime | None) -> str:
@@ -111,27 +168,25 @@ def target_table(name: str, plans: dict[str, TargetPlan]) -> str:
     lines = [
         f"Target: {name}",
         "",
-        "| Variant | Precision | Predicted peak | Reserve | Fits | Parameters | Trainable | Gradients "
-        "| Optimizer state | Activations | Batch | Validation peak | Generation peak | Step, eager | Step, compiled "
-        "| Samples/s, eager |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| Variant | Precision (as set) | Predicted peak | Reserve | Fits | Recommended precision | Parameters "
+        "| Trainable | Gradients | Optimizer state | Activations | Batch | Validation peak | Generation peak "
+        "| Step, eager | Step, compiled | Samples/s, eager |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     notes = []
     for variant, entry in plans.items():
         plan = entry.plan
+        notes += [f"- {variant}: {entry.advice}"] if entry.advice else []
         if plan is None:
-            lines.append(f"| {variant} | {entry.precision} | not planned: {entry.unavailable} |" + "  |" * 13)
-            notes += [f"- {variant}, fastest that fits: {entry.fastest}"] if entry.fastest else []
+            lines.append(f"| {variant} | {entry.precision} | not planned: {entry.unavailable} |" + "  |" * 14)
             continue
-        fits = "—" if entry.fits is None else "yes" if entry.fits else "no"
-        sizes = (plan.peak, entry.reserve, None, plan.parameters, plan.trainable_parameters, plan.gradients,
+        sizes = (plan.peak, entry.reserve, None, None, plan.parameters, plan.trainable_parameters, plan.gradients,
                  plan.optimizer_state, plan.activations)  # fmt: skip
-        cells = [fits if i == 2 else _size(value) for i, value in enumerate(sizes)]
+        words = {2: _room(entry), 3: entry.recommended or "—"}
+        cells = [words[i] if i in words else _size(value) for i, value in enumerate(sizes)]
         evaluation = f"{_size(plan.eval_peak)} | {_size(plan.generation_peak or None)}"
         lines.append(
             f"| {variant} | {entry.precision} | " + " | ".join(cells)
             + f" | {plan.batch_rows} x {plan.batch_width} | {evaluation} | {_speed(entry.step)} |"
         )  # fmt: skip
-        if entry.fastest:
-            notes.append(f"- {variant}, fastest that fits: {entry.fastest}")
     return "\n".join(lines + ([""] + notes if notes else []))

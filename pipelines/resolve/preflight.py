@@ -22,6 +22,7 @@ from pipelines.params import Params
 from pipelines.resolve.batch_size import CPU_MEMORY_SHARE
 from pipelines.resolve.budget import Planner, describe, fit_to_budget, largest_fitting_batch
 from pipelines.resolve.memory_plan import MemoryPlan, PlanUnavailable, plan_memory
+from pipelines.resolve.plan_depth import plan_by_depth
 from pipelines.resolve.target import PlanTarget, as_target
 from pipelines.tasks.base import Task
 
@@ -51,19 +52,23 @@ def trial_planner(
     target = as_target(where)
 
     def plan(params: Params) -> MemoryPlan:
-        rng = torch.get_rng_state()
-        try:
+        def at_depth(layers: int | None) -> MemoryPlan:
             return plan_memory(
                 params,
                 task,
                 train,
-                lambda: task.build_model(params, tokenizer, tokenized, root, weights=False),
+                lambda: task.build_model(params, tokenizer, tokenized, root, weights=False, layers=layers),
                 lambda model: apply_adapter(model, params.adapter, task, params),
                 int(tokenizer.pad_token_id),  # type: ignore[arg-type]
                 target.precision(params),
                 target.device,
                 target,
             )
+
+        rng = torch.get_rng_state()
+        try:
+            # A deep stack of identical blocks is planned at two small depths and extrapolated (resolve/plan_depth).
+            return plan_by_depth(at_depth, task.stacked_layers(params, root), params.grad_checkpointing_every)
         finally:
             torch.set_rng_state(rng)
 

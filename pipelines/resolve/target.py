@@ -17,7 +17,7 @@ import torch
 from pipelines.errors import UserError
 from pipelines.gpu_profiles import GPU_PROFILES, GpuProfile, gpu_profile, profile_for_device
 from pipelines.params import Params
-from pipelines.resolve.cuda_plan import CudaAttention, CudaAutocast, allocation_rounding
+from pipelines.resolve.cuda_plan import CudaAttention, CudaAutocast, allocation_rounding, plan_rules_class
 from pipelines.runtime import PrecisionCapability, ResolvedPrecision, autocast_rules, local_capability
 
 CUDA = torch.device("cuda")
@@ -39,6 +39,14 @@ class PlanTarget:
     def device(self) -> torch.device:
         """The device type the modelled run trains on (padding, levers and precision are resolved for it)."""
         return CPU if self.card is None else CUDA
+
+    @property
+    def plan_key(self) -> str:
+        """What a plan on this target depends on besides the params: the CPU, or the card's class for the fake step's
+        rules and whether it has bf16 (its memory size only judges the plan). Targets with one key share plans."""
+        if self.card is None:
+            return "cpu"
+        return f"cuda {plan_rules_class(self.card)} bf16={self.card.bf16_flops is not None}"
 
     def precision(self, params: Params) -> ResolvedPrecision:
         """`precision` resolved as a run on the target would resolve it; bf16 on a card without it is refused."""

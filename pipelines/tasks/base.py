@@ -137,13 +137,25 @@ class Task(ABC):
     # ---- model ----------------------------------------------------------------------------
     @abstractmethod
     def build_model(
-        self, params: Params, tokenizer: PreTrainedTokenizerBase, meta_dir: Path, root: Path, *, weights: bool = True
-    ) -> PreTrainedModel:
+        self, params: Params, tokenizer: PreTrainedTokenizerBase, meta_dir: Path, root: Path, *, weights: bool = True,
+        layers: int | None = None,
+    ) -> PreTrainedModel:  # fmt: skip
         """The model to fine-tune: from model.config (offline) or pretrained by name, folder or GGUF file.
 
         `weights=False`: a pretrained model's architecture from its config alone, weights freshly initialised
         and none read (the memory plan builds it so, under FakeTensorMode); config-built models are the same.
+        `layers` (with `weights=False`): the same architecture with that many blocks, for a plan by depth.
         """
+
+    def stacked_layers(self, params: Params, root: Path) -> int | None:
+        """How many identical blocks the model stacks (`num_hidden_layers`), so a plan can be made at two small
+        depths and extrapolated (`pipelines.resolve.plan_depth`); None: plan the model whole."""
+        if params.model.name_or_path is None:
+            return params.model.config.num_hidden_layers
+        from pipelines.model import pretrained_config
+
+        config = pretrained_config(params.model, root)
+        return None if config.is_encoder_decoder else getattr(config, "num_hidden_layers", None)
 
     @abstractmethod
     def load_model(self, folder: Path, model: ModelParams) -> PreTrainedModel:

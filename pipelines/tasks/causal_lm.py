@@ -237,8 +237,9 @@ class CausalLmTask(GenerationTask):
         return Encoded(split, truncated, int(np.percentile(whole, 95)) if whole else 0)
 
     def build_model(
-        self, params: Params, tokenizer: PreTrainedTokenizerBase, meta_dir: Path, root: Path, *, weights: bool = True
-    ) -> PreTrainedModel:
+        self, params: Params, tokenizer: PreTrainedTokenizerBase, meta_dir: Path, root: Path, *, weights: bool = True,
+        layers: int | None = None,
+    ) -> PreTrainedModel:  # fmt: skip
         # Deferred (here and in load_model): transformers' model classes cost seconds to import, and the stages that
         # only read a task's declarations (its objective, its report columns) build no model.
         from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -249,7 +250,7 @@ class CausalLmTask(GenerationTask):
                 vocab_size=len(tokenizer),
                 hidden_size=cfg.hidden_size,
                 intermediate_size=cfg.intermediate_size,
-                num_hidden_layers=cfg.num_hidden_layers,
+                num_hidden_layers=layers or cfg.num_hidden_layers,
                 num_attention_heads=cfg.num_attention_heads,
                 num_key_value_heads=cfg.num_attention_heads,
                 max_position_embeddings=max(512, params.data.max_length + params.eval.max_new_tokens),
@@ -262,7 +263,8 @@ class CausalLmTask(GenerationTask):
             return LlamaForCausalLM(config)
         from pipelines.model import load_pretrained
 
-        return load_pretrained(AutoModelForCausalLM, params.model, root, weights=weights)
+        depth = {"num_hidden_layers": layers} if layers else {}
+        return load_pretrained(AutoModelForCausalLM, params.model, root, weights=weights, **depth)
 
     def load_model(self, folder: Path, model: ModelParams) -> PreTrainedModel:
         from transformers import AutoModelForCausalLM

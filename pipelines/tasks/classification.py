@@ -106,12 +106,14 @@ class ClassificationTask(Task):
         return {"num_labels": len(names)}
 
     def build_model(
-        self, params: Params, tokenizer: PreTrainedTokenizerBase, meta_dir: Path, root: Path, *, weights: bool = True
-    ) -> PreTrainedModel:
+        self, params: Params, tokenizer: PreTrainedTokenizerBase, meta_dir: Path, root: Path, *, weights: bool = True,
+        layers: int | None = None,
+    ) -> PreTrainedModel:  # fmt: skip
         from pipelines.model import build_model
 
         labels = load_label_names(meta_dir)
-        return build_model(params.model, labels, len(tokenizer), params.data.max_length, root, weights=weights)
+        return build_model(params.model, labels, len(tokenizer), params.data.max_length, root, weights=weights,
+                           layers=layers)  # fmt: skip
 
     def load_model(self, folder: Path, model: ModelParams) -> PreTrainedModel:
         from pipelines.model import load_trained

@@ -21,8 +21,10 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from pipelines.data.packing import IGNORE
+from pipelines.repeats import chunk_starts
 from pipelines.runtime import FULL_LOSS, LossImpl
 
 # fp32 logits per chunk: 85 rows of a 49,152-word vocabulary. Forward and backward each hold about two chunk-sized
@@ -93,7 +95,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         correct = torch.zeros((), dtype=torch.long, device=hidden.device)
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
-            for start in range(0, hidden.shape[0], chunk_rows):
+            for start in chunk_starts(hidden.shape[0], chunk_rows, is_fake(hidden)):  # a plan: two, counted all
                 chunk = slice(start, start + chunk_rows)
                 logits = F.linear(hidden[chunk].to(dtype), w, b).float()
                 lse[chunk] = torch.logsumexp(logits, dim=-1)
@@ -118,7 +120,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
         with torch.autocast(hidden.device.type, enabled=False):
-            for start in range(0, hidden.shape[0], rows):
+            for start in chunk_starts(hidden.shape[0], rows, is_fake(hidden)):
                 chunk = slice(start, start + rows)
                 h, t = hidden[chunk].to(dtype), targets[chunk]
                 counted = (t != IGNORE).float()

@@ -168,9 +168,13 @@ class Seq2SeqTask(GenerationTask):
         split = TokenizedSplit(flat, lengths, prompt_lengths=np.asarray(source_lengths, np.int32))
         return Encoded(split, truncated, int(np.percentile(whole, 95)) if whole else 0)
 
+    def stacked_layers(self, params: Params, root: Path) -> int | None:
+        return None  # an encoder and a decoder, each its own stack: planned whole
+
     def build_model(
-        self, params: Params, tokenizer: PreTrainedTokenizerBase, meta_dir: Path, root: Path, *, weights: bool = True
-    ) -> PreTrainedModel:
+        self, params: Params, tokenizer: PreTrainedTokenizerBase, meta_dir: Path, root: Path, *, weights: bool = True,
+        layers: int | None = None,
+    ) -> PreTrainedModel:  # fmt: skip
         # Deferred (here and in load_model): see CausalLmTask.build_model.
         from transformers import AutoModelForSeq2SeqLM, T5Config, T5ForConditionalGeneration
 

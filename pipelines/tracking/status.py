@@ -66,6 +66,19 @@ def headline_metrics(task: str) -> tuple[str, ...]:
     return (get_task(task).quality[0].metric, "train_time_s", "peak_train_memory_bytes")
 
 
+def training_figures(client: Any, run_id: str) -> dict[str, float]:
+    """The evaluated model's own training figures, from its trial's MLflow run: train time (s), peak train memory
+    (MiB), samples/s and the host's load per core while it trained (above 1, its times were taken under load), for
+    the headline of `dvc exp show`. A registered version evaluated in place of
+    models/best (`eval.model_uri`) brings its own run's figures, not this train run's."""
+    logged = client.get_run(run_id).data.metrics
+    figures = {k: logged[k] for k in ("train_time_s",) if k in logged}
+    if "peak_train_memory_bytes" in logged:
+        figures["peak_train_memory_mib"] = round(logged["peak_train_memory_bytes"] / 2**20, 1)
+    figures.update({k: logged[k] for k in ("samples_per_s", "host_load_per_core") if k in logged})
+    return figures
+
+
 def log_best_on_parent(client: Any, parent_run_id: str, task: str, best: dict[str, float]) -> None:
     """The best trial's headline figures (quality, train time, peak memory, speed) on the parent run too: MLflow's
     runs table lists parent runs, collapsed, and a parent without metrics shows no columns to compare by."""

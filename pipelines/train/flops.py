@@ -160,8 +160,35 @@ class KernelCounter(TorchDispatchMode):
         """Ops counted in `phase` of step `step`."""
         return self.counts.get((phase, step), 0)
 
+    def snapshot(self) -> dict[tuple[str, int], int]:
+        """The counts now (`pipelines.repeats`: a loop's skipped chunks are counted from one that ran)."""
+        return dict(self.counts)
+
+    def add_since(self, snapshot: object, times: int) -> None:
+        """Add the ops counted since `snapshot` `times` more times."""
+        before: dict[tuple[str, int], int] = snapshot  # type: ignore[assignment]
+        for key, value in list(self.counts.items()):
+            self.counts[key] = value + (value - before.get(key, 0)) * times
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if not func.is_view and func.overloadpacket.__name__ not in self.NOT_LAUNCHED:
             key = (self.current, self.step)
             self.counts[key] = self.counts.get(key, 0) + 1
         return func(*args, **(kwargs or {}))
+
+
+class FlopRepeats:
+    """torch's FLOP counter as a `pipelines.repeats.RepeatCounter`: its per-module counts since a snapshot, added
+    again."""
+
+    def __init__(self, mode: torch_flops.FlopCounterMode) -> None:
+        self.mode = mode
+
+    def snapshot(self) -> dict[str, dict[Any, int]]:
+        return self.mode.get_flop_counts()
+
+    def add_since(self, snapshot: object, times: int) -> None:
+        before: dict[str, dict[Any, int]] = snapshot  # type: ignore[assignment]
+        for module, ops in self.mode.flop_counts.items():
+            for op, value in list(ops.items()):
+                ops[op] = value + (value - before.get(module, {}).get(op, 0)) * times

@@ -165,6 +165,18 @@ def _frozen_aware_tracker() -> object:
     return FrozenAwareMemTracker()
 
 
+def restart_peak(tracker: Any) -> int:
+    """The peak total a MemTracker saw so far (over its devices), then its peak restarted from the current total: what
+    it reports at the end is then the peak of what followed (a phase's own, e.g. generation's last step)."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+
+    seen = max(tracker._peak_mem.values(), default=0)
+    for device, snapshot in tracker._curr_mem_snap.items():
+        tracker._peak_mem[device] = snapshot[_TOTAL_KEY]
+        tracker._peak_mem_snap[device] = deepcopy(snapshot)
+    return int(seen)
+
+
 @contextmanager
 def _module_grad_hooks_removed_after() -> Iterator[None]:
     """Remove the gradient hooks MemTracker's module tracker puts on every module's inputs and outputs, on exit.

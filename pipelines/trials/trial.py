@@ -17,6 +17,7 @@ from typing import Any
 from ray import tune
 
 from pipelines.errors import UserError
+from pipelines.host_load import HostLoad
 from pipelines.params import Params, apply_overrides
 from pipelines.recipe import PARAMS_FILE, Trial, train_and_save
 from pipelines.tracking.lineage import log_datasets
@@ -108,6 +109,7 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
     with ended_run(close, record_error, record_stop):
         params = trial_params(config, context, variant, logger, rss_reset)
         monitors.append(watch_system(run_id, context.tracking_uri))
+        host_load = HostLoad().start()  # beside the times: how busy the host was while they were taken
         with claim_checkpoint_dir(Path(context.checkpoint_root), params) as checkpoint_dir:
             if params.distributed.num_workers > 1:
                 from pipelines.trials.distributed import run_distributed_trial
@@ -119,6 +121,7 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
                               make_bar=progress_bar(context.progress_bars))  # fmt: skip
                 metrics = train_and_save(trial, params)
         metrics["wall_time_s"] = time.perf_counter() - trial_start
+        metrics |= host_load.stop()
         logger.log_dict(metrics, step=int(metrics["optimizer_steps"]))
     # Reported after the run is closed: Tune may end this thread (SystemExit) once it has the last result.
     tune.report({**metrics, "mlflow_run_id": run_id, "variant": variant, FINAL_KEY: 1})

@@ -369,14 +369,14 @@ def best_trial_metrics(summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# What a comparison of experiments needs from the best trial (`dvc exp show`); the rest is in MLflow and,
-# per class, in metrics/evaluate.json.
+# What the train stage keeps of its best trial in metrics/train.json (a plain output: `dvc exp show` opens on
+# metrics/evaluate.json alone); the rest is in MLflow.
 HEADLINE = ("train_time_s", "samples_per_s", "tokens_per_s", "final_train_loss", "optimizer_steps", "mfu")
 NOT_HEADLINE = ("test_rows",)
 
 
 def headline_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """The task's validation and test figures (no per-class ones, no intervals), speed, and memory in MB."""
+    """The task's validation and test figures (no per-class ones, no intervals), speed, and memory in MiB."""
     quality = {
         k: v
         for k, v in metrics.items()
@@ -388,5 +388,5 @@ def headline_metrics(metrics: dict[str, float]) -> dict[str, float]:
     }
     out = {**quality, **{k: metrics[k] for k in HEADLINE if k in metrics}}
     if "peak_train_memory_bytes" in metrics:
-        out["peak_train_memory_mb"] = round(metrics["peak_train_memory_bytes"] / 2**20, 1)
+        out["peak_train_memory_mib"] = round(metrics["peak_train_memory_bytes"] / 2**20, 1)
     return out

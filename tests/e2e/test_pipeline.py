@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,31 @@ def experiments(shown: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for rev in exp.get("revs") or []:
                 add(rev)
     return found
+
+
+# Every MLflow metric says its unit in its name: a suffix, a count's noun, or a share (a fraction in 0..1 in
+# MLflow, the console and DVC; the report prints shares as percentages with a % sign).
+UNIT_SUFFIXES = ("_s", "_ms", "_bytes", "_per_s", "_fraction", "_pct", "_flops", "_per_step", "_mib")
+COUNT_NOUNS = ("steps", "rows", "graphs", "graphs_in_loop", "halvings", "labels", "cores", "length_max",
+               "length_p50", "length_p90", "length_p99")  # fmt: skip
+SHARES = ("pad_fraction", "accuracy", "macro_f1", "exact_match", "precision", "recall", "ci_low", "ci_high")
+UNITLESS = ("loss", "lr", "host_load_mean", "host_load_max", "host_load_per_core", "perplexity")
+
+
+def unit_of(key: str) -> str | None:
+    """The unit a metric's name states, or None when it states none (the test fails on it)."""
+    name = key.rsplit(".", 1)[-1]
+    if key.startswith("system/"):
+        return "MLflow's system metrics (named with their units)"
+    if name.endswith(UNIT_SUFFIXES):
+        return name.rsplit("_", 1)[-1]
+    if name.endswith(COUNT_NOUNS):
+        return "count"
+    if any(share in key for share in SHARES):
+        return "fraction"
+    if name.endswith(UNITLESS) or name in UNITLESS:
+        return "unitless"
+    return None
 
 
 def output_digests(root: Path) -> dict[str, str]:
@@ -131,12 +157,25 @@ def test_repro_noop_exp_run_and_bad_values(project_copy: Path, own_ray_cluster: 
     shown = experiments(json.loads(run(["dvc", "exp", "show", "--json"], root).stdout))
     optims = {e["params"].get("optim") for e in shown if "test_accuracy" in e["metrics"]}
     assert {"adamw", "adafactor"} <= optims, shown
-    # Each experiment carries its MLflow run and the few figures a comparison needs, memory in MB.
+    # Each experiment carries the figures a comparison needs, memory in MiB, and the host's load beside its time;
+    # its MLflow run id is in metrics/train.json (an output), not a metric `dvc metrics diff` would compare.
     tried = next(e for e in shown if e["params"].get("optim") == "adafactor")
-    for key in ("mlflow_run_id", "test_accuracy", "train_time_s", "peak_train_memory_mb"):
-        assert key in tried["metrics"], (key, sorted(tried["metrics"]))
+    assert list(tried["metrics"])[:5] == [
+        "test_accuracy", "train_time_s", "peak_train_memory_mib", "samples_per_s", "host_load_per_core"]  # fmt: skip
+    assert "mlflow_run_id" not in tried["metrics"]
     headline = json.loads((root / "metrics/train.json").read_text())
     assert len(headline) < 25 and not [k for k in headline if "." in k and not k.startswith(("best.", "trials."))]
+    # What a person sees of `dvc exp show` in a 120-column terminal: its pager's left edge (less -S chops the
+    # lines; DVC renders the table at full width for it). Quality, time and memory are there, with values.
+    screen = [line[:120] for line in run(["dvc", "exp", "show"], root, env={"COLUMNS": "120"}).stdout.splitlines()]
+    header = next(line for line in screen if "Experiment" in line)
+    assert header.split()[:5] == ["Experiment", "Created", "test_accuracy", "train_time_s", "peak_train_memory_mib"]
+    row = next(line for line in screen if "[" in line and "]" in line)  # the experiment's row: `├── 1a2b3c4 [name]`
+    for name in ("test_accuracy", "train_time_s", "peak_train_memory_mib"):  # right-aligned under their headers
+        start = header.index(name)
+        assert float(row[start : start + len(name)]) > 0, screen
+    # Its report compares its one trial with the last commit's (the baseline experiment's) best trial.
+    assert "| last commit " in (root / "reports/report.md").read_text()
 
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("finetune")
@@ -152,6 +191,12 @@ def test_repro_noop_exp_run_and_bad_values(project_copy: Path, own_ray_cluster: 
     assert logged["predicted_optimizer_state_bytes"] == logged["optimizer_state_bytes"]
     assert abs(logged["predicted_peak_train_memory_bytes"] / logged["peak_train_memory_bytes"] - 1) < 0.15
     assert adafactor[0].data.params["data.max_length"] == "64"  # every param, flattened
+    assert [k for k in logged if unit_of(k) is None] == []  # a metric whose name gives no unit
+    assert 0 <= logged["test_accuracy"] <= 1 and 0 <= logged["padding_fraction"] <= 1  # shares as fractions
+    report = (root / "reports/report.md").read_text()
+    for text in (report, printed):  # MiB written as MiB, shares with their % sign
+        assert not re.search(r"\d MB\b", text), text
+    assert re.search(r"\| \d+\.\d+% \[", report)
     loss_curve = client.get_metric_history(adafactor[0].info.run_id, "train_loss")
     assert len(loss_curve) > 10
 
@@ -176,10 +221,10 @@ def test_repro_noop_exp_run_and_bad_values(project_copy: Path, own_ray_cluster: 
     run(["dvc", "exp", "run", "-S", "eval.model_uri=models:/finetune-classification/1"], root, timeout=600)
     assert json.loads((root / "metrics/evaluate.json").read_text())["test_accuracy"] == evaluate["test_accuracy"]
     shown = experiments(json.loads(run(["dvc", "exp", "show", "--json"], root).stdout))
-    both = [e for e in shown if e["params"].get("optim") == "adafactor" and "mlflow_run_id" in e["metrics"]]
+    both = [e for e in shown if e["params"].get("optim") == "adafactor" and "test_accuracy" in e["metrics"]]
     assert len(both) >= 2, shown  # the adafactor experiment and the one scoring version 1
     for entry in both:
-        assert {"test_accuracy", "train_time_s", "peak_train_memory_mb"} <= set(entry["metrics"]), entry
+        assert {"test_accuracy", "train_time_s", "peak_train_memory_mib"} <= set(entry["metrics"]), entry
     assert len(client.search_model_versions("name = 'finetune-classification'")) == 2  # evaluating registers nothing
 
     # 4. Bad values fail fast, before training, naming key, value and allowed values; outputs untouched.

