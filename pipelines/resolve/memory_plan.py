@@ -40,16 +40,16 @@ from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.params import Params
 from pipelines.repeats import counted_repeats
+from pipelines.resolve.counted_step import phased, track_counting_flops, window_kernels
 from pipelines.resolve.eval_memory import generation_peaks, largest_eval_batch, validation_peak
 from pipelines.resolve.qlora_plan import EightBitAdamWPlan, as_qlora
 from pipelines.resolve.target import CPU_TARGET, PlanTarget
 from pipelines.runtime import ResolvedPrecision, Runtime, resolve_pad_multiple
 from pipelines.tasks.base import Task
 from pipelines.train.fast_dropout import fast_dropout
-from pipelines.train.flops import FlopRepeats, KernelCounter, flop_counter
-from pipelines.train.memory import MemoryAtPeak, track_step
+from pipelines.train.flops import KernelCounter
 from pipelines.train.memory_levers import apply_memory_levers, resolve_loss
-from pipelines.train.optim import build_optimizer, create_fresh_state
+from pipelines.train.optim import build_optimizer
 from pipelines.train.parallel import sharding_units
 from pipelines.train.step import TrainStep, make_scaler
 from pipelines.train.windows import plan_windows, training_sampler, window_units
@@ -160,58 +160,6 @@ def peak_micro_batches(batches: list[dict[str, torch.Tensor]]) -> list[dict[str,
     by_area = max(range(len(rest)), key=lambda i: shape[i][0] * shape[i][1])
     by_attention = max(range(len(rest)), key=lambda i: shape[i][0] * shape[i][1] ** 2)
     return [first] + [rest[i] for i in sorted({by_area, by_attention})]
-
-
-def _track_counting_flops(
-    step: Callable[[object | None], None], model: nn.Module, optimizer: torch.optim.Optimizer, checkpointing: bool,
-    scale: float, kernels: KernelCounter,
-) -> tuple[MemoryAtPeak, int, int]:  # fmt: skip
-    """The tracked step's peak (the optimizer state made first), the FLOPs of a step as torch counts them (matmuls,
-    convolutions, attention) and the model's FLOPs (without checkpointing's recomputed forward), both times `scale`.
-
-    Where the optimizer's fresh state can be made without a step (`create_fresh_state`, as the trainer does), the
-    FLOPs and launches are counted in the tracked step itself: one fake step, which is most of a plan's time (an
-    8B-shaped model's search makes dozens of plans). Else an untracked step makes the state and is counted: its
-    forward and backward are every step's, and an optimizer step has none of those ops. A third step, with
-    checkpointing off, counts the model's FLOPs under checkpointing."""
-    with kernels:  # launches: the forwards and backwards, and the update of the steady state (step 1)
-        # Not under checkpointing: torch's FLOP counter hooks the modules, and the hooks of a recomputed forward
-        # kept its activations alive through the tracked backward (a BERT plan's peak rose by half).
-        fresh = not checkpointing and create_fresh_state(model, optimizer)
-        if fresh:
-            kernels.step = 1
-        with (
-            flop_counter(model_work=False) as hardware,
-            flop_counter(model_work=True) as model_work,
-            counted_repeats(kernels, FlopRepeats(hardware), FlopRepeats(model_work)),
-        ):  # the chunked loss's loop
-            if fresh:  # nested dispatch modes each see every op: the tracker's too
-                peak = track_step(model, optimizer, CPU, step)
-            else:
-                step(None)
-        if not fresh:
-            kernels.step = 1
-            with counted_repeats(kernels):
-                peak = track_step(model, optimizer, CPU, step)
-    if checkpointing:
-        model.activation_checkpointing_disable()
-        with flop_counter(model_work=True) as model_work, counted_repeats(FlopRepeats(model_work)):
-            step(None)
-    return peak, int(hardware.get_total_flops() * scale), int(model_work.get_total_flops() * scale)
-
-
-def _phased(
-    step: TrainStep, batches: list[dict[str, torch.Tensor]], units: float, kernels: KernelCounter
-) -> Callable[[object | None], None]:
-    """The plan's step with its ops counted by phase: forwards and backwards (`accumulate`), then the update."""
-
-    def run(meter: object | None) -> None:
-        with kernels.phase("accumulate"):
-            step.accumulate(batches, units, meter)
-        with kernels.phase("update"):
-            step.update()
-
-    return run
 
 
 def _plan_qlora(
@@ -368,8 +316,8 @@ def plan_memory(
         dropout = fast_dropout(model) if params.fast_dropout and params.compile is not True else nullcontext()
         kernels = KernelCounter()
         with dropout, target.rules():
-            counted = _phased(train_step, batches, units, kernels)
-            peak, step_flops, model_flops = _track_counting_flops(counted, model, optimizer, params.grad_checkpointing,
+            counted = phased(train_step, batches, units, kernels)
+            peak, step_flops, model_flops = track_counting_flops(counted, model, optimizer, params.grad_checkpointing,
                                                                   scale, kernels)  # fmt: skip
         state = [v for kept in optimizer.state.values() for v in kept.values() if isinstance(v, torch.Tensor)]
         state = [v for v in state if v.numel() > 1]  # as the trial counts: moments and factors, not scalar steps
@@ -392,9 +340,7 @@ def plan_memory(
         generation_peak=max(generation),
         generation_phases=generation,
         target=target.name,
-        # As the FLOPs, for the window: counted in the untracked step (0), else in the tracked one (1).
-        step_kernels=round((kernels.count("accumulate") or kernels.count("accumulate", step=1)) * len(window)
-                           / len(batches)),
+        step_kernels=window_kernels(kernels, len(window), len(batches)),
         update_kernels=kernels.count("update", step=1),
         micro_batches=len(window), mean_positions=mean_positions,
     )  # fmt: skip

