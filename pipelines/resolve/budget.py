@@ -231,9 +231,22 @@ def _refuse_if_nothing_fits(params: Params, plan: Planner, target: PlanTarget, b
         raise UserError(
             f"memory_budget = {size(budget)}: no plan fits, with any precision, checkpointing, micro-batch down to "
             f"1 row, a lean optimizer{' or LoRA' if lora_allowed else ''}; the leanest "
-            f"({', '.join(changed_settings(params, leanest[0]))}) needs {describe(leanest[1])}. Raise memory_budget, "
-            "shorten data.max_length, or use a smaller model"
+            f"({', '.join(changed_settings(params, leanest[0]))}) needs {describe(leanest[1])}. What would fit: "
+            f"{_what_would_fit(params)}"
         )
+
+
+def _what_would_fit(params: Params) -> str:
+    """The refusal's suggestions, the nearest first: a 4-bit base, shorter rows, a larger card, a smaller model."""
+    qlora = (
+        "adapter.type: qlora (the frozen base in 4 bits; CUDA with bitsandbytes), "
+        if params.adapter.type != "qlora"
+        else ""
+    )
+    return (
+        f"{qlora}a shorter data.max_length (now {params.data.max_length}), a card with more memory (compare them with "
+        "`python -m stages.plan --target <card> ...`) and a larger memory_budget, or a smaller model"
+    )
 
 
 def _fits_in_tier(

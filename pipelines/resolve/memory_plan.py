@@ -172,7 +172,8 @@ def _plan_qlora(
                        pad_id, precision, device, target)  # fmt: skip
     with FakeTensorMode(allow_non_fake_inputs=True):
         base = build_base()
-    return as_qlora(plan, base, compute_bytes=2)  # bf16 compute (fp16 with precision: fp16): 2 bytes either way
+    # bf16 compute (fp16 with precision: fp16): 2 bytes either way; the LoRA plan stored the frozen weights so too.
+    return as_qlora(plan, base, compute_bytes=2, stored_bytes=2 if precision in ("bf16", "fp16") else 4)
 
 
 def _optimizer(params: Params, model: nn.Module) -> torch.optim.Optimizer:
@@ -281,11 +282,10 @@ def plan_memory(
     """Predict the peak of one training step of `params` on `train`'s first (longest) window, in bytes of `target`.
 
     The batches are padded as the trial on `device` pads them (`data.pad_to_multiple_of` resolved there); a GPU
-    `target` trains on CUDA, and its rules apply to the step (`pipelines.resolve.target`).
-
-    `build_base` makes the model from its config under FakeTensorMode (no weight allocated or read), `adapt`
-    applies the adapter outside it (peft builds its small weights for real); see `_unavailable_on_failure`.
-    QLoRA: planned as LoRA, then adjusted by rule (`pipelines.resolve.qlora_plan`; bitsandbytes needs CUDA)."""
+    `target` trains on CUDA, and its rules apply to the step (`pipelines.resolve.target`). `build_base` makes the
+    model from its config under FakeTensorMode (no weight allocated or read), `adapt` applies the adapter outside
+    it (peft builds its small weights for real); see `_unavailable_on_failure`. QLoRA: planned as LoRA, then
+    adjusted by rule (`pipelines.resolve.qlora_plan`; bitsandbytes needs CUDA)."""
     if target.card is not None:
         device = target.device
     if params.adapter.type == "qlora":
@@ -304,7 +304,8 @@ def plan_memory(
     with mode:
         model.train()
         recompute = target.recompute_context if target.card is not None else None
-        offload = apply_memory_levers(model, params, device, planning=True, recompute_context=recompute)  # as trained
+        offload = apply_memory_levers(model, params, device, planning=True, recompute_context=recompute,
+                                      precision=precision)  # as trained  # fmt: skip
         runtime = replace(runtime, loss=resolve_loss(model, params, task))
         optimizer = _optimizer(params, model)
         trainable = [p for p in model.parameters() if p.requires_grad]

@@ -47,11 +47,12 @@ def quantized_linears(model: nn.Module) -> list[nn.Linear]:
     ]
 
 
-def as_qlora(plan: object, base: nn.Module, compute_bytes: int) -> object:
-    """`plan` (of the same model with LoRA) with the quantized weights at their NF4 size and one de-quantized
-    weight (`compute_bytes` per element: 2 for bf16/fp16) as a temporary at the peak."""
+def as_qlora(plan: object, base: nn.Module, compute_bytes: int, stored_bytes: int = 4) -> object:
+    """`plan` (of the same model with LoRA, its frozen weights at `stored_bytes` each) with the quantized weights at
+    their NF4 size and one de-quantized weight (`compute_bytes` per element: 2 for bf16/fp16) as a temporary at the
+    peak."""
     layers = quantized_linears(base)
-    full = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers)
+    full = sum(layer.weight.numel() * stored_bytes for layer in layers)
     packed = sum(nf4_bytes(layer.weight.numel()) for layer in layers)
     temporary = max((layer.weight.numel() * compute_bytes for layer in layers), default=0)
     saved = full - packed

@@ -97,12 +97,37 @@ def _apply_kernels(model: nn.Module, params: Params, device: torch.device) -> No
 OffloadContext = Callable[[], AbstractContextManager[object]]
 
 
+# What a 16-bit run computes its matmuls in: the dtype its untrained weights are stored in.
+_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def store_frozen_weights(model: nn.Module, params: Params, precision: str) -> int:
+    """Store the weights that are not trained (a LoRA base, any frozen part) in a 16-bit run's compute dtype, in
+    place; return how many tensors were cast. Trained weights keep their fp32 master copies, as autocast wants.
+
+    A frozen fp32 weight is only ever read, and autocast casts it to the compute dtype at every forward anyway, so
+    its fp32 copy is memory for nothing: an 8B base is 30.7 GB in fp32 and 15.3 GB in bf16, as PEFT's, TRL's,
+    torchtune's and Unsloth's LoRA recipes load it. An fp32 run (and a CPU run resolving `precision: auto` to fp32,
+    where bf16 is emulated) keeps fp32 bases. Not under FSDP, whose flat shards take one dtype per group.
+    """
+    dtype = _COMPUTE_DTYPES.get(precision)
+    if dtype is None or params.distributed.strategy == "fsdp":
+        return 0
+    cast = 0
+    for param in model.parameters():
+        if not param.requires_grad and param.dtype == torch.float32:
+            param.data = param.data.to(dtype)
+            cast += 1
+    return cast
+
+
 def apply_memory_levers(
     model: nn.Module, params: Params, device: torch.device, *, planning: bool = False,
-    recompute_context: ContextFn = None,
+    recompute_context: ContextFn = None, precision: str = "fp32",
 ) -> OffloadContext:  # fmt: skip
-    """Checkpointing and kernels, as the params ask, on `model` in place; the activation offload's context, which
-    the step (`pipelines.train.step.TrainStep.offload`) opens around every forward.
+    """Frozen weights in the compute dtype, checkpointing and kernels, as the params and `precision` (resolved) ask,
+    on `model` in place; the activation offload's context, which the step
+    (`pipelines.train.step.TrainStep.offload`) opens around every forward.
 
     `device` is where the trial trains. `planning`: the memory plan's fake step on the CPU, where offloading is
     modelled (`offload_context`) rather than run, and kernels are not swapped in (Triton does not trace on fake
@@ -115,6 +140,7 @@ def apply_memory_levers(
             f"activation_offload: true moves saved activations from GPU to host memory; this trial trains on "
             f"{device.type}, where they already are in host memory (set activation_offload: false)"
         )
+    store_frozen_weights(model, params, precision)
     offload = params.activation_offload
     _enable_checkpointing(model, params, offload and not planning, recompute_context)
     # Without checkpointing, offload every tensor autograd saves (torch's save_on_cpu around the forward); the

@@ -107,7 +107,8 @@ class Trainer:
         self.on_log, self.on_epoch_end, self.checkpoint_dir = on_log, on_epoch_end, checkpoint_dir
         device, precision = runtime.device, runtime.precision
         model.train()
-        offload = apply_memory_levers(model, params, device)  # checkpointing and kernels; the offload's context
+        # Frozen weights in the compute dtype, checkpointing and kernels; the offload's context.
+        offload = apply_memory_levers(model, params, device, precision=precision)
         runtime.apply()
         self.rank, self.world_size = world()
         self.fsdp = uses_fsdp(params, self.world_size)

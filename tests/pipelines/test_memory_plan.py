@@ -26,6 +26,7 @@ STRATEGIES = {
     "accumulation": {"batch_size": 8, "grad_accum_steps": 4},
     "adafactor": {"optim": "adafactor"},
     "lora": {"adapter.type": "lora"},
+    "lora-bf16": {"adapter.type": "lora", "precision": "bf16"},  # the frozen base stored in bf16 (issue 46)
 }
 
 

@@ -119,9 +119,19 @@ def test_an_8b_shaped_lora_is_planned_by_depth_as_its_whole_plan(tmp_path):
                                                       "num_hidden_layers"))  # fmt: skip
     block = 2 * h * h + 2 * h * (h // 4) + 3 * h * inner + 2 * h  # q, o; k, v at 8 of 32 heads; the MLP; 2 norms
     weights = 2 * vocab * h + layers * block + h  # embeddings and head untied, the final norm
-    assert whole.parameters - whole.trainable_parameters == 4 * weights  # today's fp32 base (issue 46: 2 bytes)
+    assert whole.parameters - whole.trainable_parameters == 2 * weights  # the frozen base in bf16 (issue 46)
     for name in ("parameters", "trainable_parameters", "gradients", "optimizer_state"):
         assert getattr(by_depth, name) == getattr(whole, name), name
     for name in ("peak", "activations", "eval_peak", "generation_peak", "step_flops"):
         assert getattr(by_depth, name) == pytest.approx(getattr(whole, name), rel=0.01), name
     assert (by_depth.batch_rows, by_depth.batch_width) == (4, 2048)
+
+    # The verdicts users ask for (issue 46): with its base in bf16 this LoRA fits an A100-40GB and a 24 GB L4,
+    # each with what it needs; on a 16 GB T4 (fp16) nothing of ours fits, and the refusal offers QLoRA first.
+    verdicts = plan_targets(params, root, root / "data/tokenized", [target_named(c) for c in ("A100-40GB", "L4", "T4")])
+    for card in ("A100-40GB", "L4"):
+        advice = verdicts[card]["default"].advice
+        assert advice.startswith(f"fastest that fits the {card}: ") and "batch_size: " in advice, advice
+        assert verdicts[card]["default"].recommended == "bf16"
+    t4 = verdicts["T4"]["default"]
+    assert t4.recommended is None and "What would fit: adapter.type: qlora" in t4.advice, t4.advice
