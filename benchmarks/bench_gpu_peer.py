@@ -71,9 +71,10 @@ def run_trainer(
             num_train_epochs=params.epochs, learning_rate=params.lr, weight_decay=params.weight_decay,
             warmup_steps=int(params.warmup_ratio * steps), lr_scheduler_type="linear",
             max_grad_norm=params.max_grad_norm, bf16=params.precision == "bf16", use_cpu=device.type == "cpu",
-            train_sampling_strategy="group_by_length", report_to="none", save_strategy="no", eval_strategy="no",
+            report_to="none", save_strategy="no", eval_strategy="no",
             logging_strategy="no", disable_tqdm=True, seed=params.seed, dataloader_num_workers=params.num_workers,
-            dataloader_pin_memory=params.pin_memory and device.type == "cuda", **arguments,
+            dataloader_pin_memory=params.pin_memory and device.type == "cuda",
+            **{"train_sampling_strategy": "group_by_length", **arguments},  # `arguments` may set it (no grouping)
         )  # fmt: skip
         trainer = Trainer(model=model, args=args, train_dataset=rows(train), data_collator=collate, callbacks=[clock])
         start = time.perf_counter()

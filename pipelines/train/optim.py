@@ -105,8 +105,17 @@ def build_optimizer(
 
 
 def _zero_fresh_optimizers() -> tuple[type, ...]:
-    """The classes of the registered optimizers whose fresh state is zeros (`OptimizerEntry.fresh_state_is_zeros`)."""
-    return tuple(BUILDERS[name].optimizer_type() for name, entry in OPTIMIZERS.items() if entry.fresh_state_is_zeros)
+    """The classes of the registered optimizers whose fresh state is zeros (`OptimizerEntry.fresh_state_is_zeros`),
+    of those whose package is installed (an optimizer in hand is of an importable class; the GPU machine had no
+    lion-pytorch, and importing it failed every plan there)."""
+    found = []
+    for name, entry in OPTIMIZERS.items():
+        if entry.fresh_state_is_zeros:
+            try:
+                found.append(BUILDERS[name].optimizer_type())
+            except ModuleNotFoundError:
+                continue
+    return tuple(found)
 
 
 def create_fresh_state(model: nn.Module, optimizer: Optimizer) -> bool:
