@@ -17,6 +17,7 @@ from pipelines.task_registry import TASKS
 # The registered optimizers (pipelines.optimizer_registry), as the task names come from the task registry.
 Optimizer = Literal[tuple(OPTIMIZERS)]  # type: ignore[valid-type]
 Precision = Literal["fp32", "fp16", "bf16", "auto"]
+WeightsDtype = Literal["fp32", "bf16"]
 LrSchedule = Literal["constant", "linear", "cosine", "onecycle", "cyclic", "reduce_on_plateau"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 # The registered tasks (pipelines.task_registry): a new task is allowed here by its registry line alone.

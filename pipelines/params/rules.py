@@ -51,6 +51,10 @@ RULES: tuple[Rule, ...] = (
                    "training"),
     Rule(lambda p: p.optim == "adamw_8bit" and p.device == "cpu",
          lambda p: "optim: adamw_8bit runs on CUDA only (bitsandbytes); device: cpu cannot use it"),
+    Rule(lambda p: p.weights_dtype == "bf16" and p.precision in ("fp32", "fp16"),
+         lambda p: f"weights_dtype: bf16 trains weights stored in bf16, under bf16 autocast; precision: {p.precision} "
+                   "computes in another dtype: set precision: bf16 (or auto on a machine with bf16), or weights_dtype: "
+                   "fp32"),
     Rule(lambda p: p.precision == "fp16" and p.device == "cpu",
          lambda p: "precision: fp16 (with loss scaling) is for GPUs; with device: cpu use precision: bf16, fp32 "
                    "or auto"),

@@ -19,6 +19,7 @@ from pipelines.params.fields import (
     StrictModel,
     TargetDevice,
     TaskName,
+    WeightsDtype,
 )
 from pipelines.params.overrides import apply_overrides
 from pipelines.params.rules import first_broken_rule
@@ -47,6 +48,11 @@ class Params(StrictModel):
     )
     optim: Optimizer = Field(description=f"Optimizer: {optimizers_described()}.")
     precision: Precision = Field(description="fp32, fp16 (autocast + loss scaling), bf16 (autocast), or auto.")
+    weights_dtype: WeightsDtype = Field(
+        description="How trained weights are stored: fp32 (master copies under mixed precision) or bf16 (pure "
+        "16-bit training, as torchtune's default: weights, gradients and optimizer state in bf16; needs "
+        "precision bf16; updates below bf16's resolution are lost). Frozen weights follow the precision either way."
+    )
     batch_size: BatchSize = Field(
         description="Rows per micro-batch, or `auto`: the largest divisor of effective_batch_size that fits in memory."
     )
@@ -86,7 +92,8 @@ class Params(StrictModel):
     )
     strategy: Literal["manual", "auto"] = Field(
         description="manual: train with the params as written; auto (needs memory_budget): choose precision, "
-        "micro-batch and accumulation, checkpointing, then a lean optimizer, then LoRA, by the memory plan."
+        "micro-batch and accumulation, checkpointing, then a lean optimizer, then LoRA, then QLoRA (on a GPU with "
+        "bitsandbytes), by the memory plan."
     )
     epochs: PositiveInt = Field(description="Passes over the training split.")
     seed: int = Field(ge=0, description="Seed for data splits, shuffling and initialisation.")

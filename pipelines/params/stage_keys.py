@@ -65,8 +65,8 @@ STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "validate": (WHOLE_FILE,),
     "tokenize": ("task", "data", "model", "seed", "batch_size", "device"),
     "train": (
-        "task", "train_on_prompt", "optim", "precision", "batch_size", "grad_accum_steps", "grad_checkpointing",
-        "grad_checkpointing_every", "activation_offload", "loss_impl", "kernels",
+        "task", "train_on_prompt", "optim", "precision", "weights_dtype", "batch_size", "grad_accum_steps",
+        "grad_checkpointing", "grad_checkpointing_every", "activation_offload", "loss_impl", "kernels",
         "lr", "lr_range_test", "memory_budget", "strategy", "epochs", "seed", "lr_schedule", "warmup_ratio",
         "weight_decay", "max_grad_norm", "effective_batch_size", "device", "target_device", "num_workers",
         "persistent_workers", "prefetch_factor", "pin_memory", "compile", "tf32", "fast_dropout", "log_every_n_steps",

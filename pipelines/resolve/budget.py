@@ -10,7 +10,9 @@ trained, not just how:
    micro-batch that fits (micro-batch x accumulation = the effective batch, exactly). `loss_impl` is
    kept as written: its default, auto, already chunks the loss of large vocabularies;
 1. a memory-lean optimizer (Adafactor; 8-bit AdamW on CUDA with bitsandbytes), same grid;
-2. LoRA (the adapter section's rank and targets, with Adafactor as well), when the run has none.
+2. LoRA (the adapter section's rank and targets, with Adafactor as well), when the run has none;
+3. QLoRA (the same adapters on a 4-bit NF4 base, saved unmerged), on a card where bitsandbytes runs, when the run
+   is not QLoRA already: the frozen base in half a byte a weight, at the cost of de-quantizing it every step.
 
 Within a tier the plan with the shortest predicted step time on the target wins (`pipelines.resolve.step_time`):
 its executed FLOPs per optimizer step (torch's FlopCounterMode on the same fake step: checkpointing's recompute and
@@ -33,7 +35,7 @@ installed, or always when only planning.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +45,7 @@ from pipelines.gpu_profiles import gpu_profile
 from pipelines.optimizer_registry import OPTIMIZERS
 from pipelines.params import Params, apply_overrides
 from pipelines.resolve.memory_plan import MB, MemoryPlan
-from pipelines.resolve.step_time import predict_step
+from pipelines.resolve.step_time import arithmetic_floor_s, predict_step
 from pipelines.resolve.target import PlanTarget, as_target
 from pipelines.runtime import EMULATED_BF16_SLOWDOWN, cpu_has_fast_bf16
 
@@ -134,14 +136,27 @@ def _checkpointing(target: PlanTarget) -> list[dict[str, object]]:
     return options
 
 
-def _tiers(params: Params, target: PlanTarget, lora_allowed: bool, planning: bool) -> Iterator[list[dict[str, object]]]:
+def _installed(package: str | None, planning: bool) -> bool:
+    """Whether a lever needing `package` can be offered: always when only planning (it is planned by rule)."""
+    return planning or package is None or importlib.util.find_spec(package) is not None
+
+
+def _adapters(params: Params, target: PlanTarget, lora_allowed: bool, planning: bool) -> list[dict[str, object]]:
+    """The adapters the search may switch to, leanest last: LoRA when the run has none, then QLoRA's 4-bit base on a
+    card where bitsandbytes runs (CUDA only; saved unmerged, as the params rules require of QLoRA)."""
+    if not lora_allowed:
+        return []
+    adapters: list[dict[str, object]] = [{"adapter.type": "lora"}] if params.adapter.type == "none" else []
+    if params.adapter.type != "qlora" and target.card is not None and _installed("bitsandbytes", planning):
+        adapters.append({"adapter.type": "qlora", "adapter.merge": False})
+    return adapters
+
+
+def _tiers(params: Params, target: PlanTarget, lora_allowed: bool, planning: bool) -> list[list[dict[str, object]]]:
     lean = [{"optim": name} for name, entry in OPTIMIZERS.items() if entry.lean and name != params.optim
-            and (not entry.cuda_only or target.card is not None)
-            and (planning or entry.package is None or importlib.util.find_spec(entry.package) is not None)]  # fmt: skip
-    yield [{}]
-    yield lean
-    if lora_allowed and params.adapter.type == "none":
-        yield [{"adapter.type": "lora", **extra} for extra in ({}, *lean)]
+            and (not entry.cuda_only or target.card is not None) and _installed(entry.package, planning)]  # fmt: skip
+    adapters = _adapters(params, target, lora_allowed, planning)
+    return [[{}], lean, *([{**adapter, **extra} for extra in ({}, *lean)] for adapter in adapters)]
 
 
 def changed_settings(params: Params, chosen: Params) -> list[str]:
@@ -153,6 +168,8 @@ def changed_settings(params: Params, chosen: Params) -> list[str]:
     changed = [f"{key}: {getattr(chosen, key)}" for key in keys if getattr(chosen, key) != getattr(params, key)]
     if chosen.adapter.type != params.adapter.type:
         changed.append(f"adapter.type: {chosen.adapter.type}")
+    if chosen.adapter.merge != params.adapter.merge:
+        changed.append(f"adapter.merge: {chosen.adapter.merge}")
     return changed
 
 
@@ -186,22 +203,21 @@ def choose_strategy(
     budget = budget_bytes(params)
     plan = memoized(plan)
     assert budget is not None, "strategy: auto needs memory_budget (the schema says so)"
-    # Refuse fast, but only when it can matter: if the fastest tier-0 candidate fits as it is (the first plan the
-    # search makes anyway), something fits, and the leanest plans would be made for nothing.
-    fastest = _candidate(params, {}, target.capability().candidates()[0], _checkpointing(target)[0])
-    if plan(apply_overrides(fastest, _batch(fastest, effective_batch(fastest)))).peak > budget:
-        _refuse_if_nothing_fits(params, plan, target, budget, lora_allowed)
-    for tier, changes in enumerate(_tiers(params, target, lora_allowed, planning)):
+    tiers = _tiers(params, target, lora_allowed, planning)
+    for tier, changes in enumerate(tiers):
         fits = _fits_in_tier(params, changes, plan, target, budget)
         if fits:
             seconds, _, _, chosen, predicted = min(fits, key=lambda fit: fit[:3])
             changed = ", ".join(changed_settings(params, chosen)) or "nothing changed"
             why = (
-                f"strategy auto (tier {tier} of 2, {len(fits)} plans fit memory_budget {size(budget)}): {changed}; "
+                f"strategy auto (tier {tier} of {len(tiers) - 1}, {len(fits)} plans fit memory_budget "
+                f"{size(budget)}): {changed}; "
                 f"predicted peak {describe(predicted)}; {predicted.step_flops / 1e9:,.2f} GFLOP per step, "
                 f"predicted {1000 * seconds:,.1f} ms per step"
             )
             return Choice(chosen, predicted, why)
+    # Nothing fits: say what the leanest plan needs (a tier where nothing fits costs two plans per precision).
+    _refuse_if_nothing_fits(params, plan, target, budget, _adapters(params, target, lora_allowed, planning))
     raise AssertionError("the leanest plan fits, so some tier has a plan that fits")
 
 
@@ -209,13 +225,13 @@ def _candidate(params: Params, change: dict[str, object], precision: str, checkp
     return apply_overrides(params, {**change, "precision": precision, **checkpointing})
 
 
-def _refuse_if_nothing_fits(params: Params, plan: Planner, target: PlanTarget, budget: int, lora_allowed: bool) -> None:
+def _refuse_if_nothing_fits(
+    params: Params, plan: Planner, target: PlanTarget, budget: int, adapters: list[dict[str, object]]
+) -> None:
     """Raise a UserError naming the leanest plan when even it is over `budget`: every lever at its leanest (1 row
-    per micro-batch, lean optimizer, LoRA), with and without checkpointing and 16-bit, which can cost more than
-    they save on a tiny step."""
-    lean: dict[str, object] = {"optim": "adafactor"}  # factored: the smallest optimizer state we have
-    if lora_allowed and params.adapter.type == "none":
-        lean["adapter.type"] = "lora"
+    per micro-batch, lean optimizer, the leanest of `adapters`), with and without checkpointing and 16-bit, which
+    can cost more than they save on a tiny step."""
+    lean: dict[str, object] = {"optim": "adafactor", **(adapters[-1] if adapters else {})}  # Adafactor: factored
     leanest = min(
         (
             (candidate, plan(candidate))
@@ -230,21 +246,26 @@ def _refuse_if_nothing_fits(params: Params, plan: Planner, target: PlanTarget, b
     if leanest[1].peak > budget:
         raise UserError(
             f"memory_budget = {size(budget)}: no plan fits, with any precision, checkpointing, micro-batch down to "
-            f"1 row, a lean optimizer{' or LoRA' if lora_allowed else ''}; the leanest "
+            f"1 row, a lean optimizer{''.join(f' or {a}' for a in _adapter_names(adapters))}; the leanest "
             f"({', '.join(changed_settings(params, leanest[0]))}) needs {describe(leanest[1])}. What would fit: "
-            f"{_what_would_fit(params)}"
+            f"{_what_would_fit(leanest[0])}"
         )
 
 
-def _what_would_fit(params: Params) -> str:
-    """The refusal's suggestions, the nearest first: a 4-bit base, shorter rows, a larger card, a smaller model."""
+def _adapter_names(adapters: list[dict[str, object]]) -> list[str]:
+    return [{"lora": "LoRA", "qlora": "QLoRA"}[str(adapter["adapter.type"])] for adapter in adapters]
+
+
+def _what_would_fit(leanest: Params) -> str:
+    """The refusal's suggestions, the nearest first: a 4-bit base (when the leanest plan had none: on a CPU, or
+    without bitsandbytes), shorter rows, a larger card, a smaller model."""
     qlora = (
         "adapter.type: qlora (the frozen base in 4 bits; CUDA with bitsandbytes), "
-        if params.adapter.type != "qlora"
+        if leanest.adapter.type != "qlora"
         else ""
     )
     return (
-        f"{qlora}a shorter data.max_length (now {params.data.max_length}), a card with more memory (compare them with "
+        f"{qlora}a shorter data.max_length (now {leanest.data.max_length}), a card with more memory (compare them with "
         "`python -m stages.plan --target <card> ...`) and a larger memory_budget, or a smaller model"
     )
 
@@ -256,13 +277,38 @@ def _fits_in_tier(
 
     Checkpointing settings are tried fastest first, and the leaner ones only while the one before did not fit
     at the full micro-batch: they add only recompute FLOPs, and cannot make the micro-batch larger, so they
-    cannot be faster (a budget that fits everything makes two plans here, not six).
+    cannot be faster (a budget that fits everything makes two plans here, not six). A slower precision is tried
+    only while its arithmetic alone (`step_time.arithmetic_floor_s`, from the change's plan without
+    checkpointing: FLOPs do not depend on the precision) could beat a fit already found, and a leaner checkpointing
+    setting only while its own arithmetic could. A precision whose leanest settings (one row a micro-batch, every
+    block checkpointed or none, which can cost more than it saves on a tiny step) do not fit is not searched
+    further: a tier where nothing fits costs a few plans, so the refusal is made after the tiers, not before.
     """
-    fits = []
+    fits: list[tuple[float, int, int, Params, MemoryPlan]] = []
+    options = _checkpointing(target)
     for change in changes:
+        fewest_flops: MemoryPlan | None = None  # the change's plan without checkpointing (fewest FLOPs), once made
         for precision in target.capability().candidates():
-            for checkpointing in _checkpointing(target):
-                found = largest_fitting_batch(_candidate(params, change, precision, checkpointing), plan, budget)
+            # Its plans take seconds each (an 8B-shaped LoRA's), and its fp32 step on an H100 is 14.8x the bf16 one.
+            floor = arithmetic_floor_s(fewest_flops, precision, target, params.tf32) if fewest_flops else None
+            if fits and floor is not None and floor > min(fit[0] for fit in fits):
+                continue
+            fastest = _candidate(params, change, precision, options[0])
+            whole = plan(apply_overrides(fastest, _batch(fastest, effective_batch(fastest))))
+            fewest_flops = fewest_flops or whole
+            if (
+                whole.peak > budget
+                and min(_one_row(params, change, precision, o, plan) for o in (options[-1], options[0])) > budget
+            ):
+                continue  # nothing of this precision fits, at any micro-batch or checkpointing
+            for checkpointing in options:
+                candidate = _candidate(params, change, precision, checkpointing)
+                # A leaner setting only adds recompute: once its arithmetic alone (its FLOPs do not depend on the
+                # micro-batch) is slower than a fit found, so is every leaner one.
+                widest = plan(apply_overrides(candidate, _batch(candidate, effective_batch(candidate))))
+                if fits and arithmetic_floor_s(widest, precision, target, params.tf32) > min(fit[0] for fit in fits):
+                    break
+                found = largest_fitting_batch(candidate, plan, budget)
                 if found is None:
                     continue
                 chosen, predicted = found
@@ -273,6 +319,14 @@ def _fits_in_tier(
                 if chosen.batch_size == effective_batch(chosen):
                     break
     return fits
+
+
+def _one_row(
+    params: Params, change: dict[str, object], precision: str, checkpointing: dict[str, object], plan: Planner
+) -> int:
+    """The peak of a candidate at one row a micro-batch (accumulation makes up the effective batch)."""
+    candidate = _candidate(params, change, precision, checkpointing)
+    return plan(apply_overrides(candidate, _batch(candidate, 1))).peak
 
 
 def fit_to_budget(

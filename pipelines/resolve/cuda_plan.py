@@ -15,6 +15,9 @@ memory:
   memory-efficient save the query, key, value, output and one fp32 log-sum-exp per row, and no attention
   probabilities or dropout mask (dropout is regenerated from its seed); math saves the probabilities. The CPU
   picks math whenever dropout is on, so a BERT training step would be planned with S x S probabilities per head.
+- **CUDA's fused dropout** (`CudaDropout`): it saves a bool mask (1 byte an element); the CPU's saves the scaled
+  noise in the input's dtype (4 bytes under fp32). LoRA's dropout on an fp32 copy of each adapted layer's input
+  made a Llama-shaped 1.1B's plan 96 MiB a block too high on an H200 (benchmarks/RESULTS.md).
 - **The caching allocator's 512-byte rounding** (`allocation_rounding`): every block is a multiple of 512
   bytes, as `torch.cuda.max_memory_allocated` counts it (MemTracker rounds CUDA tensors only).
 """
@@ -215,6 +218,20 @@ class CudaAttention(TorchFunctionMode):
         if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
             mask = mask.to(q.dtype)
         return _FusedAttention.apply(q, k, v, mask, a["is_causal"], a["scale"])
+
+
+class CudaDropout(TorchFunctionMode):
+    """Training-mode `F.dropout` as CUDA runs it: `native_dropout`, whose backward keeps only a bool mask."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.dropout:
+            return func(*args, **kwargs)
+        names = ("input", "p", "training", "inplace")
+        bound = {"p": 0.5, "training": True, "inplace": False, **dict(zip(names, args, strict=False)), **kwargs}
+        if not bound["training"] or not 0.0 < bound["p"] < 1.0 or bound["inplace"]:
+            return func(*args, **kwargs)
+        return torch.native_dropout(bound["input"], bound["p"], True)[0]
 
 
 def _rounded_to_blocks(self: Any) -> int:

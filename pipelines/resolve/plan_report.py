@@ -133,7 +133,9 @@ def _fastest(variant: Params, planner: object, target: PlanTarget, budget: int |
     changed = ", ".join(changed_settings(variant, choice.params)) or "as written"
     step = predict_step(choice.plan, target.precision(choice.params), target, choice.params.tf32)
     seconds = step.compiled_s if choice.params.compile is True else step.eager_s
-    budget_left = (budget_bytes(auto) or 0) - choice.plan.peak
+    # As the Fits cell counts it on a card (its reserve at this peak), so the two figures agree.
+    card, peak = target.card, choice.plan.peak
+    budget_left = card.memory_bytes - peak - card.reserve_bytes(peak) if card else (budget_bytes(auto) or 0) - peak
     plain = (f"fastest that fits {where}: {changed}; peak {_gib(choice.plan.peak)}, {_gib(budget_left)} to spare; "
              f"about {1000 * seconds:,.0f} ms a step")  # fmt: skip
     return Fastest(choice.why, target.precision(choice.params), plain)

@@ -147,6 +147,17 @@ def predict_step(
                     plan.batch_rows)  # fmt: skip
 
 
+def arithmetic_floor_s(
+    plan: MemoryPlan, precision: str, where: PlanTarget | torch.device, tf32: bool | str = "auto"
+) -> float:
+    """The fewest seconds `plan`'s step could take in `precision`: its arithmetic alone at the best efficiency, eager
+    or compiled (launches only add to it). FLOPs do not depend on the precision, so one plan bounds the others."""
+    target = as_target(where)
+    speed = CPU_SPEED if target.card is None else GPU_SPEED
+    flops = plan.step_flops * (plan.mean_positions / plan.positions if plan.mean_positions and plan.positions else 1)
+    return flops / (peak_flops(precision, target, tf32) * max(speed.efficiency_eager, speed.efficiency_compiled))
+
+
 def compile_seconds(plan: MemoryPlan, shapes: int) -> float:
     """Predicted time to compile the step for `shapes` batch shapes (uncached)."""
     per_micro_batch = plan.step_kernels / max(plan.micro_batches, 1)

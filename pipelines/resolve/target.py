@@ -17,7 +17,13 @@ import torch
 from pipelines.errors import UserError
 from pipelines.gpu_profiles import GPU_PROFILES, GpuProfile, gpu_profile, profile_for_device
 from pipelines.params import Params
-from pipelines.resolve.cuda_plan import CudaAttention, CudaAutocast, allocation_rounding, plan_rules_class
+from pipelines.resolve.cuda_plan import (
+    CudaAttention,
+    CudaAutocast,
+    CudaDropout,
+    allocation_rounding,
+    plan_rules_class,
+)
 from pipelines.runtime import PrecisionCapability, ResolvedPrecision, autocast_rules, local_capability
 
 CUDA = torch.device("cuda")
@@ -62,7 +68,8 @@ class PlanTarget:
 
     @contextmanager
     def rules(self) -> Iterator[None]:
-        """Around the fake step: the card's autocast casts, SDPA backend and allocation rounding (none on CPU)."""
+        """Around the fake step: the card's autocast casts, SDPA backend, dropout and allocation rounding (none on
+        CPU)."""
         if self.card is None:
             yield
             return
@@ -70,6 +77,7 @@ class PlanTarget:
         with ExitStack() as stack:
             stack.enter_context(allocation_rounding())
             stack.enter_context(CudaAttention(self.card))
+            stack.enter_context(CudaDropout())
             stack.enter_context(autocast)  # innermost: it casts, then attention routes the cast call
             stack.enter_context(autocast_rules(autocast.region))
             yield
@@ -84,7 +92,7 @@ class PlanTarget:
     @contextmanager
     def _recompute_rules(self) -> Iterator[None]:
         assert self.card is not None
-        with CudaAttention(self.card), CudaAutocast():  # no region: the recompute casts without a cache
+        with CudaAttention(self.card), CudaDropout(), CudaAutocast():  # no region: recompute casts uncached
             yield
 
 

@@ -124,8 +124,15 @@ def with_targets(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _keeps_logits(model: nn.Module) -> bool:
-    """Whether the (unwrapped) model's forward takes `logits_to_keep` (most transformers decoders do)."""
-    return "logits_to_keep" in inspect.signature(unwrapped(model).forward).parameters
+    """Whether the (unwrapped) model's forward takes our 2-D `logits_to_keep` (most transformers decoders do).
+
+    Only transformers versions with `slice_logits_to_keep` read a 2-D tensor as per-row positions; before it, the
+    decoders index `hidden_states[:, positions, :]`, which broadcasts to batch x batch x positions (found on the
+    GPU machine's transformers). Those models get full logits and the same loss instead."""
+    from transformers import modeling_utils
+
+    takes = "logits_to_keep" in inspect.signature(unwrapped(model).forward).parameters
+    return takes and hasattr(modeling_utils, "slice_logits_to_keep")
 
 
 def next_token_loss(

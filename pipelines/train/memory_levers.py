@@ -121,11 +121,37 @@ def store_frozen_weights(model: nn.Module, params: Params, precision: str) -> in
     return cast
 
 
+def store_trained_weights(model: nn.Module, params: Params, precision: str) -> int:
+    """`weights_dtype: bf16`: store every fp32 weight in bf16, in place (pure 16-bit training, torchtune's default);
+    return how many tensors were cast. Gradients then come out in bf16 and the optimizer keeps its state in the
+    weights' dtype, so a weight costs 2 + 2 + (AdamW) 4 bytes instead of 4 + 4 + 8.
+
+    The price is resolution: bf16 has 8 significant bits, so an update smaller than about 1/256 of a weight rounds
+    away (docs/how-to/plan-memory.md). No compensated update (Kahan summation, stochastic rounding) is added: it
+    would need a buffer per weight or an optimizer of our own, and the option is for runs where memory, not the
+    last digits of the update, decides; fp32 (the default) keeps master copies.
+    """
+    if params.weights_dtype == "fp32":
+        return 0
+    if precision != "bf16":
+        raise UserError(
+            f"weights_dtype: bf16 trains weights stored in bf16, under bf16 autocast; precision: {params.precision} "
+            f"resolved to {precision} here: set precision: bf16 (on a machine with bf16), or weights_dtype: fp32"
+        )
+    cast = 0
+    for param in model.parameters():
+        if param.dtype == torch.float32:
+            param.data = param.data.to(torch.bfloat16)
+            cast += 1
+    return cast
+
+
 def apply_memory_levers(
     model: nn.Module, params: Params, device: torch.device, *, planning: bool = False,
     recompute_context: ContextFn = None, precision: str = "fp32",
 ) -> OffloadContext:  # fmt: skip
-    """Frozen weights in the compute dtype, checkpointing and kernels, as the params and `precision` (resolved) ask,
+    """Weights in 16 bits (frozen ones, or all with `weights_dtype`), checkpointing and kernels, as the params and
+    `precision` (resolved) ask,
     on `model` in place; the activation offload's context, which the step
     (`pipelines.train.step.TrainStep.offload`) opens around every forward.
 
@@ -140,6 +166,7 @@ def apply_memory_levers(
             f"activation_offload: true moves saved activations from GPU to host memory; this trial trains on "
             f"{device.type}, where they already are in host memory (set activation_offload: false)"
         )
+    store_trained_weights(model, params, precision)
     store_frozen_weights(model, params, precision)
     offload = params.activation_offload
     _enable_checkpointing(model, params, offload and not planning, recompute_context)

@@ -63,3 +63,17 @@ def test_bench_gpu_parts_run_their_eager_configurations_in_smoke_mode(tmp_path: 
     assert report["ours defaults"]["loss_curve_max_rel_gap_to_eager"] < 1e-6  # both eager here: the same curve
     assert report["ours eager"]["predicted_step_ms"]["median"] > 0
     assert "| trainer torch_compile | skipped |" in proc.stdout
+
+
+def test_bench_gpu_frozen_base_runs_both_bases_in_smoke_mode(tmp_path: Path):
+    out = tmp_path / "frozen.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_gpu_frozen_base", "--smoke", "--rounds", "1", "--json", str(out)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    medians = json.loads(out.read_text())["medians"]
+    fp32, bf16 = medians["fp32 base"], medians["bf16 base"]
+    assert bf16["peak_allocated_mb"] < fp32["peak_allocated_mb"]  # the base at 2 bytes a weight, not 4
+    for base in (fp32, bf16):
+        assert abs(base["planned_peak_mb"] / base["peak_allocated_mb"] - 1) < 0.10

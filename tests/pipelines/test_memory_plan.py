@@ -27,6 +27,7 @@ STRATEGIES = {
     "adafactor": {"optim": "adafactor"},
     "lora": {"adapter.type": "lora"},
     "lora-bf16": {"adapter.type": "lora", "precision": "bf16"},  # the frozen base stored in bf16 (issue 46)
+    "pure-bf16": {"precision": "bf16", "weights_dtype": "bf16"},  # every weight, gradient and state in bf16
 }
 
 

@@ -87,6 +87,26 @@ def test_k_micro_batches_equal_one_batch_of_their_rows(default_params):
         torch.testing.assert_close(many[name], one[name], atol=1e-5, rtol=0, msg=name)
 
 
+def test_transformers_without_2d_logits_to_keep_get_full_logits_and_the_same_loss(default_params, monkeypatch):
+    # transformers before `slice_logits_to_keep` (5.17 on the GPU machine) index `hidden[:, positions, :]`, which
+    # broadcasts our 2-D positions to batch x batch rows: the loss then failed on a shape mismatch.
+    from transformers import modeling_utils
+
+    from pipelines.tasks.causal_lm import _keeps_logits, next_token_loss
+
+    params, split = lm_params(default_params), lm_split()
+    batch = CausalLmCollator(split, 0, train_on_prompt=False, fixed_length=None, pad_to_multiple_of=None)(range(6))
+    torch.manual_seed(0)
+    model = TASK.build_model(params, WordTokenizer(), Path("."), Path("."))
+    assert _keeps_logits(model)
+    kept = next_token_loss(model, dict(batch))
+    monkeypatch.delattr(modeling_utils, "slice_logits_to_keep")
+    assert not _keeps_logits(model)
+    full = next_token_loss(model, dict(batch))
+    torch.testing.assert_close(full[0], kept[0])
+    assert full[1:] == kept[1:]
+
+
 def test_only_response_tokens_count_unless_the_prompt_is_trained_on(default_params):
     params = lm_params(default_params)
     split = lm_split(rows=6, seed=1)
