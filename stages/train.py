@@ -19,6 +19,7 @@ PLOT = Path("plots/train_loss.json")
 def main() -> None:
     params = load_params()
     from pipelines.runtime import check_runtime
+    from pipelines.tracking.status import runs_page_line
     from pipelines.trials.tuning import BEST_DIR, best_trial_metrics, run_tuning, tokenize_metrics
 
     check_runtime(params)
@@ -27,6 +28,7 @@ def main() -> None:
         summary = run_tuning(params, resolve_repo_root(), TOKENIZED, tmp, stats)
     atomic_write_json(METRICS, best_trial_metrics(summary))
     atomic_write_json(PLOT, json.loads((OUT_DIR / BEST_DIR / "history.json").read_text()))
+    print(runs_page_line(summary["tracking_uri"], summary["experiment_id"]), flush=True)
 
 
 if __name__ == "__main__":

@@ -73,8 +73,8 @@ def check_server(configured: str, uri: str, timeout_s: float = 5.0) -> None:
     )
 
 
-# MLflow 3's UI opens an experiment by its kind: without this tag it may guess "GenAI" (traces, judges,
-# prompts); model training opens on runs, metrics and models. A kind the user picked in the UI is kept.
+# MLflow 3's UI read an experiment's kind from this tag (without it, it may guess "GenAI": traces, judges, prompts;
+# model training opens on runs, metrics and models). 3.17's toggle ignores it: see `status.runs_page_line`.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 

@@ -102,3 +102,36 @@ def list_first(client: Any, run_id: str, keys: Iterable[str]) -> None:
     """
     for key in keys:
         client.log_metric(run_id, key, math.nan, step=0)
+
+
+# The runs page's columns, as an MLflow shared view (an experiment tag the UI reads when the page's URL names its key):
+# without it MLflow 3.17 shows no metric column ("Show more columns (242 total)").
+RUNS_VIEW_KEY = "training"
+RUNS_VIEW_TAG = f"mlflow.sharedViewState.{RUNS_VIEW_KEY}"
+
+
+def runs_view(task: str) -> str:
+    """The runs page's view for `task` (the tag's JSON): the headline figures the parent runs carry (the best
+    trial's quality, train time, peak memory, samples/s) and each trial's logged model."""
+    import json
+
+    keys = [*headline_metrics(task), "samples_per_s"]
+    # The Dataset column is left to the Columns menu: the widest, it pushed the figures off a 1600-pixel screen.
+    columns = [*(f"metrics.`{key}`" for key in keys), "attributes.`Models`"]
+    return json.dumps({"selectedColumns": columns, "orderByKey": "attributes.start_time", "orderByAsc": False})
+
+
+def runs_page_line(tracking_uri: str, experiment_id: str) -> str:
+    """Where a person finds the trials: the experiment's runs page in MLflow's UI, opened on model training with
+    the headline columns (`runs_view`).
+
+    MLflow 3.17's UI opens every experiment on its GenAI overview (traces, latency): its GenAI / Model training
+    toggle starts at GenAI in each new browser and does not read the experiment's kind tag; the page's
+    `workflowType=machine_learning` parameter opens Model training (checked in Chromium)."""
+    page = f"#/experiments/{experiment_id}/runs?workflowType=machine_learning&viewStateShareKey={RUNS_VIEW_KEY}"
+    if tracking_uri.startswith(("http://", "https://")):
+        return f"MLflow: {tracking_uri.rstrip('/')}/{page}"
+    return (
+        f"MLflow: MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --backend-store-uri {tracking_uri} --host "
+        f"127.0.0.1 --port 5000, then open http://127.0.0.1:5000/{page}"
+    )

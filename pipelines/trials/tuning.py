@@ -30,7 +30,7 @@ from pipelines.tracking.runs import (
     resolve_tracking_uri,
     start_run,
 )
-from pipelines.tracking.status import ended_run, log_best_on_parent, stopped_tags
+from pipelines.tracking.status import RUNS_VIEW_TAG, ended_run, log_best_on_parent, runs_view, stopped_tags
 from pipelines.trial_context import FINAL_KEY, REPEAT_KEY, TrialContext
 from pipelines.trials.ray_cluster import init_ray, tune_console
 
@@ -177,6 +177,7 @@ def run_tuning(
     objective = tune_objective(params)  # first: a tune.metric the task does not report fails before any run opens
     tracking_uri = resolve_tracking_uri(params.tracking.uri, root)
     client, experiment_id = open_store(params.tracking, root)
+    client.set_experiment_tag(experiment_id, RUNS_VIEW_TAG, runs_view(params.task))  # the runs page's columns
     tags = {
         "git_commit": git_commit(root),
         "params_hash": params_hash(params),

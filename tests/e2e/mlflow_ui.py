@@ -130,8 +130,11 @@ def headless_page() -> Iterator[Page]:
             proc.wait()
 
 
-def runs_table_rows(url: str, seconds: float = 90, ready: Callable[[list[str]], bool] = bool) -> list[str]:
-    """Open `url` (an experiment's runs page) in headless Chromium, expand nested runs; each row's text.
+def runs_table_rows(
+    url: str, seconds: float = 90, ready: Callable[[list[str]], bool] = bool, sidebar: list[str] | None = None
+) -> list[str]:
+    """Open `url` (an experiment's runs page) in headless Chromium, expand nested runs; each row's text (and, into
+    `sidebar`, the text of the page's navigation, which of MLflow's views it opened on, then the table's header).
 
     The rows' cells (datasets, models) load after the rows, later on a loaded machine: the rows are read
     again until `ready(rows)` holds or `seconds` have passed (then the last read is returned, for the assert).
@@ -139,6 +142,9 @@ def runs_table_rows(url: str, seconds: float = 90, ready: Callable[[list[str]], 
     with headless_page() as page:
         page.navigate(url)
         page.wait_for("document.querySelectorAll('.ag-row[row-index]').length", seconds, "the runs table")
+        if sidebar is not None:
+            sidebar.append(page.js("[...document.querySelectorAll('nav, aside')].map(e => e.innerText).join(' | ')"))
+            sidebar.append(page.js("[...document.querySelectorAll('.ag-header')].map(e => e.innerText).join(' ')"))
         time.sleep(2)  # let the rows' cells (datasets, models) load
         page.js(EXPAND_ROWS)
         time.sleep(4)

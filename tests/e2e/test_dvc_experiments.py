@@ -44,10 +44,14 @@ def test_strategy_grid_in_one_dvc_repro_reports_relative_to_vanilla(project_copy
         project_copy,
         {"tune.variants": STRATEGIES, "tune.max_concurrent_trials": 2, "epochs": 1, "data.generator.num_rows": 1500},
     )
-    run(["dvc", "repro"], project_copy, timeout=800)
+    done = run(["dvc", "repro"], project_copy, timeout=800)
     report = (project_copy / "reports/report.md").read_text()
     rows = report_rows(report)
     assert list(rows) == list(STRATEGIES)  # one row per strategy, vanilla (the baseline) first
+    # The train stage says where the trials are: the runs page, opened on model training (MLflow 3.17's UI
+    # otherwise opens on its GenAI overview).
+    (page,) = re.findall(r"^MLflow: .* then open http://127\.0\.0\.1:5000/(#/experiments/\d+/runs\?workflowType="
+                         r"machine_learning&viewStateShareKey=training)$", done.stdout, re.M)  # fmt: skip
     header = [c.strip() for c in report.split("| Trial |", 1)[1].splitlines()[0].strip("|").split("|")]
     time_col = 1 + header.index("Train time")
     assert rows["vanilla"][time_col].endswith("(100%)")
@@ -69,10 +73,15 @@ def test_strategy_grid_in_one_dvc_repro_reports_relative_to_vanilla(project_copy
     client = MlflowClient(tracking_uri=f"sqlite:///{project_copy / 'mlflow.db'}")
     trial_ids = [r.info.run_id for r in client.search_runs([experiment_id]) if "mlflow.parentRunId" in r.data.tags]
     with mlflow_ui(project_copy / "mlflow.db") as url:
+        assert page.startswith(f"#/experiments/{experiment_id}/runs?")
+        runs_table_rows(f"{url}/{page}", sidebar=(sidebar := []))  # as the train stage says to open it
         rows = runs_table_rows(f"{url}/#/experiments/{experiment_id}/runs", ready=every_cell_loaded)
         # `Compare` on the trials opens its plot on the headline quality (not system/cpu_utilization_percentage).
         compared = compare_view_metrics(url, experiment_id, trial_ids)
     assert compared == ["test_accuracy"], compared
+    assert "Models" in sidebar[0] and "Judges" not in sidebar[0], sidebar  # Model training's menu, not GenAI's
+    for column in ("test_accuracy", "train_time_s", "peak_train_memory_bytes"):  # the headline, as columns
+        assert column in sidebar[1], sidebar[1]
     assert len(trial_ids) == len(STRATEGIES)
     # Each trial's row is named by what it varies: its variant and seed.
     named = {name: re.compile(rf"\b{re.escape(name)} · seed \d+") for name in STRATEGIES}
