@@ -10,6 +10,8 @@ of its largest batch (`Task.generation_probe`: prefill, then the last step with 
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
 from torch import nn
@@ -69,10 +71,21 @@ def generation_peaks(model: nn.Module, probe: GenerationProbe, runtime: Runtime)
             out = model(**probe.prefill)
             meter.tracker.reset_mod_stats()  # type: ignore[attr-defined]  # a second forward follows
             prefill.append(restart_peak(meter.tracker))  # type: ignore[attr-defined]
-            cache = out.past_key_values
+            cache = out["cache"] if "cache" in out else out.past_key_values
             grow_cache(cache, probe.new_tokens)
-            model(**probe.step(out, cache))
+            model(**_cache_named(model, probe.step(out, cache)))
 
     with eval_mode(model):
         last_step = track_step(model, idle, runtime.device, generate).total
     return prefill[0], last_step
+
+
+def _cache_named(model: nn.Module, inputs: dict[str, object]) -> dict[str, object]:
+    """The probe's step inputs with the key/value cache under the name the model's forward takes: transformers 5.24
+    renamed `past_key_values` to `cache` (the old name warns, once per forward); 5.23, our floor, has only the old."""
+    from pipelines.tasks.linear_ce import unwrapped
+
+    if "past_key_values" not in inputs or "cache" not in inspect.signature(unwrapped(model).forward).parameters:
+        return inputs
+    renamed = {k: v for k, v in inputs.items() if k != "past_key_values"}
+    return {**renamed, "cache": inputs["past_key_values"]}
