@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")  # no display on servers and in CI
 import matplotlib.pyplot as plt  # noqa: E402
@@ -119,6 +120,38 @@ def plot_lr_range(client: MlflowClient, rows: list[TrialRow], path: Path) -> boo
     return drawn
 
 
+def plot_confusion(pairs: list[dict[str, str]], path: Path) -> bool:
+    """The evaluate stage's confusion pairs (`plots/confusion.json`: actual, predicted) as a count heatmap, the
+    figure `dvc plots show` draws from a CDN (blank offline); False when there are none."""
+    import pandas as pd
+
+    if not pairs:
+        return False
+    frame = pd.DataFrame(pairs).astype(str)
+    kept = frame["actual"].value_counts().index[:CONFUSION_MAX_CLASSES]
+    frame = frame.apply(lambda column: column.where(column.isin(kept), "other"))
+    labels = [*kept, *(["other"] if (frame == "other").any().any() else [])]
+    counts = pd.crosstab(frame["actual"], frame["predicted"]).reindex(index=labels, columns=labels, fill_value=0)
+    size = max(4.0, 0.45 * len(labels) + 2)
+    fig, ax = plt.subplots(figsize=(size + 1, size))
+    image = ax.imshow(counts.to_numpy(), cmap="Blues")
+    ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=8)
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("actual")
+    if len(labels) <= 15:  # counts in the cells while they stay readable
+        peak = counts.to_numpy().max()
+        for (i, j), value in np.ndenumerate(counts.to_numpy()):
+            ax.text(
+                j, i, str(value), ha="center", va="center", fontsize=8, color="white" if value > peak / 2 else "black"
+            )
+    fig.colorbar(image, ax=ax, label="test rows")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def plot_tradeoff(rows: list[TrialRow], path: Path) -> None:
     """Train time against accuracy, bubble size by peak memory, with the Pareto front (faster and better) marked."""
     quality = quality_columns(task_of_rows(rows), rows)[0]
@@ -194,6 +227,8 @@ FIGURES = (
     ("Throughput", "throughput.png"),
 )
 LR_RANGE_FIGURE = ("LR range test", "lr_range.png")  # only when a trial ran one (lr: auto)
+CONFUSION_FIGURE = ("Confusion matrix (test split, the evaluated model)", "confusion.png")
+CONFUSION_MAX_CLASSES = 30  # generation tasks' answers can be many: the most frequent, the rest as "other"
 
 
 @dataclass
@@ -301,9 +336,11 @@ def build_report(
     parent_run_id: str,
     out_dir: Path,
     last_commit: tuple[str, str] | None = None,
+    confusion: list[dict[str, str]] | None = None,
 ) -> str:
     """Write report.md, report.html and the PNGs into `out_dir`; return the markdown. `last_commit` (the best
-    trial's run id of the commit this run started from, and the commit) is the baseline of a one-variant run."""
+    trial's run id of the commit this run started from, and the commit) is the baseline of a one-variant run;
+    `confusion`: the evaluate stage's (actual, predicted) pairs, drawn as a confusion matrix."""
     rows = load_rows(client, experiment_id, parent_run_id)
     if last_commit is not None:
         rows = with_last_commit(client, rows, *last_commit)
@@ -314,6 +351,8 @@ def build_report(
     content = collect_content(rows, parent_run_id, experiment_id)
     if plot_lr_range(client, rows, out_dir / LR_RANGE_FIGURE[1]):
         content = replace(content, figures=(*content.figures, LR_RANGE_FIGURE))
+    if plot_confusion(confusion or [], out_dir / CONFUSION_FIGURE[1]):
+        content = replace(content, figures=(*content.figures, CONFUSION_FIGURE))
     markdown = render_markdown(content)
     (out_dir / "report.md").write_text(markdown, encoding="utf-8")
     (out_dir / "report.html").write_text(render_html(content, out_dir), encoding="utf-8")

@@ -12,6 +12,7 @@ from pipelines.params import load_params, resolve_repo_root
 
 TRIALS = Path("models/trials.json")
 TRAIN_METRICS = Path("metrics/train.json")
+CONFUSION = Path("plots/confusion.json")  # the evaluate stage's (actual, predicted) pairs
 OUT_DIR = Path("reports")
 
 
@@ -38,7 +39,9 @@ def main() -> None:
     summary = json.loads(TRIALS.read_text())
     client, _ = open_store(params.tracking, resolve_repo_root())
     with atomic_dir(OUT_DIR) as tmp:
-        build_report(client, summary["experiment_id"], summary["parent_run_id"], tmp, last_commit_best_run())
+        confusion = json.loads(CONFUSION.read_text()) if CONFUSION.is_file() else None
+        build_report(client, summary["experiment_id"], summary["parent_run_id"], tmp, last_commit_best_run(),
+                     confusion)  # fmt: skip
     client.log_artifacts(summary["parent_run_id"], str(OUT_DIR), artifact_path="report")
 
 

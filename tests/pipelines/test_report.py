@@ -85,6 +85,22 @@ def test_report_files_are_written_with_real_plots(tmp_path: Path):
         assert image[..., :3].std() > 0.05  # not blank
 
 
+def test_the_evaluated_models_confusion_matrix_is_drawn_into_the_report(tmp_path: Path):
+    # `dvc plots show` draws it with Vega from a CDN (blank offline); the report carries its own.
+    client, experiment_id, parent = make_store(tmp_path)
+    out = tmp_path / "reports"
+    out.mkdir()
+    pairs = [{"actual": a, "predicted": p} for a, p in [("World", "World")] * 9 + [("World", "Sports")] * 3
+             + [("Sports", "Sports")] * 8 + [("Business", "Sci/Tech")] * 2]  # fmt: skip
+    markdown = build_report(client, experiment_id, parent, out, confusion=pairs)
+    assert "![Confusion matrix (test split, the evaluated model)](confusion.png)" in markdown
+    assert colored_pixels(out / "confusion.png") > 2000  # the cells, shaded by count
+    assert "Confusion matrix" in (out / "report.html").read_text()
+    empty = tmp_path / "no-pairs"
+    empty.mkdir()
+    assert "confusion.png" not in build_report(client, experiment_id, parent, empty)  # none given: no figure
+
+
 def colored_pixels(png: Path) -> int:
     """Pixels with clear colour (plot bars and lines), as opposed to black, grey and white text and page."""
     image = mpimg.imread(png)[..., :3]
