@@ -312,13 +312,11 @@ def plan_memory(
         # The trial's own step, with a disabled scaler (its non-finite check reads values, which fakes do not have).
         train_step = TrainStep(model, optimizer, task, runtime, make_scaler(runtime, enabled=False),
                                params.max_grad_norm, offload)  # fmt: skip
-
         # The engine's CPU dropout (its attention swap needs real outputs to check, so it is not tried here); a
         # card's trial keeps torch's dropout, which the card's rules plan as CUDA's fused one.
         cpu_dropout = params.fast_dropout and params.compile is not True and target.card is None
-        dropout = fast_dropout(model) if cpu_dropout else nullcontext()
         kernels = KernelCounter()
-        with dropout, target.rules():
+        with fast_dropout(model) if cpu_dropout else nullcontext(), target.rules():
             counted = phased(train_step, batches, units, kernels)
             peak, step_flops, model_flops = track_counting_flops(counted, model, optimizer, params.grad_checkpointing,
                                                                   scale, kernels)  # fmt: skip
