@@ -291,7 +291,7 @@ def _fits_in_tier(
         for precision in target.capability().candidates():
             # Its plans take seconds each (an 8B-shaped LoRA's), and its fp32 step on an H100 is 14.8x the bf16 one.
             floor = arithmetic_floor_s(fewest_flops, precision, target, params.tf32) if fewest_flops else None
-            if fits and floor is not None and floor > min(fit[0] for fit in fits):
+            if fits and floor is not None and floor > _fastest_s(fits):
                 continue
             fastest = _candidate(params, change, precision, options[0])
             whole = plan(apply_overrides(fastest, _batch(fastest, effective_batch(fastest))))
@@ -306,7 +306,7 @@ def _fits_in_tier(
                 # A leaner setting only adds recompute: once its arithmetic alone (its FLOPs do not depend on the
                 # micro-batch) is slower than a fit found, so is every leaner one.
                 widest = plan(apply_overrides(candidate, _batch(candidate, effective_batch(candidate))))
-                if fits and arithmetic_floor_s(widest, precision, target, params.tf32) > min(fit[0] for fit in fits):
+                if fits and arithmetic_floor_s(widest, precision, target, params.tf32) > _fastest_s(fits):
                     break
                 found = largest_fitting_batch(candidate, plan, budget)
                 if found is None:
@@ -319,6 +319,10 @@ def _fits_in_tier(
                 if chosen.batch_size == effective_batch(chosen):
                     break
     return fits
+
+
+def _fastest_s(fits: list[tuple[float, int, int, Params, MemoryPlan]]) -> float:
+    return min(fit[0] for fit in fits)
 
 
 def _one_row(

@@ -136,8 +136,7 @@ def predict_step(
     else:
         graphed = round(plan.step_kernels * speed.compiled_kernel_share) + plan.update_kernels
 
-    # The plan's window is the longest; the epoch's average step computes its mean positions (launches do not scale).
-    flops = plan.step_flops * (plan.mean_positions / plan.positions if plan.mean_positions and plan.positions else 1)
+    flops = _average_step_flops(plan)
 
     def seconds(efficiency: float, kernels: int) -> float:
         compute, host = flops / (peak * efficiency), kernels * speed.launch_s
@@ -154,8 +153,14 @@ def arithmetic_floor_s(
     or compiled (launches only add to it). FLOPs do not depend on the precision, so one plan bounds the others."""
     target = as_target(where)
     speed = CPU_SPEED if target.card is None else GPU_SPEED
-    flops = plan.step_flops * (plan.mean_positions / plan.positions if plan.mean_positions and plan.positions else 1)
-    return flops / (peak_flops(precision, target, tf32) * max(speed.efficiency_eager, speed.efficiency_compiled))
+    best = max(speed.efficiency_eager, speed.efficiency_compiled)
+    return _average_step_flops(plan) / (peak_flops(precision, target, tf32) * best)
+
+
+def _average_step_flops(plan: MemoryPlan) -> float:
+    """The FLOPs of the epoch's average step: the plan's window is the longest, the average one computes the
+    epoch's mean positions (launches do not scale)."""
+    return plan.step_flops * (plan.mean_positions / plan.positions if plan.mean_positions and plan.positions else 1)
 
 
 def compile_seconds(plan: MemoryPlan, shapes: int) -> float:
