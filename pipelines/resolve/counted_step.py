@@ -3,14 +3,16 @@ and the model's) and its launches per phase (`KernelCounter`), in as few fake st
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from torch import nn
 
 from pipelines.repeats import counted_repeats
-from pipelines.train.flops import FlopRepeats, KernelCounter, flop_counter
+from pipelines.train.flops import FlopRepeats, KernelCounter, flop_counter, recomputing
 from pipelines.train.memory import MemoryAtPeak, track_step
+from pipelines.train.memory_levers import ContextFn
 from pipelines.train.optim import create_fresh_state
 from pipelines.train.step import TrainStep
 
@@ -27,8 +29,8 @@ def track_counting_flops(
     Where the optimizer's fresh state can be made without a step (`create_fresh_state`, as the trainer does), the
     FLOPs and launches are counted in the tracked step itself: one fake step, which is most of a plan's time (an
     8B-shaped model's search makes dozens of plans). Else an untracked step makes the state and is counted: its
-    forward and backward are every step's, and an optimizer step has none of those ops. A third step, with
-    checkpointing off, counts the model's FLOPs under checkpointing."""
+    forward and backward are every step's, and an optimizer step has none of those ops. Under checkpointing the model's
+    FLOPs leave out the recomputed forward, which `marking_recompute` marks."""
     with kernels:  # launches: the forwards and backwards, and the update of the steady state (step 1)
         # Not under checkpointing: torch's FLOP counter hooks the modules, and the hooks of a recomputed forward
         # kept its activations alive through the tracked backward (a BERT plan's peak rose by half).
@@ -48,11 +50,24 @@ def track_counting_flops(
             kernels.step = 1
             with counted_repeats(kernels):
                 peak = track_step(model, optimizer, CPU, step)
-    if checkpointing:
-        model.activation_checkpointing_disable()
-        with flop_counter(model_work=True) as model_work, counted_repeats(FlopRepeats(model_work)):
-            step(None)
     return peak, int(hardware.get_total_flops() * scale), int(model_work.get_total_flops() * scale)
+
+
+def marking_recompute(context_fn: ContextFn) -> Callable[[], tuple[AbstractContextManager[object], ...]]:
+    """torch checkpoint's `context_fn`: `context_fn`'s contexts (a card's rules; none on a CPU), the recompute's
+    marked as such (`flops.recomputing`), so the model-work counter leaves it out."""
+
+    def contexts() -> tuple[AbstractContextManager[object], AbstractContextManager[object]]:
+        forward, recompute = context_fn() if context_fn is not None else (nullcontext(), nullcontext())
+        return forward, _marked(recompute)
+
+    return contexts
+
+
+@contextmanager
+def _marked(recompute: AbstractContextManager[object]) -> Iterator[None]:
+    with recompute, recomputing():
+        yield
 
 
 def phased(

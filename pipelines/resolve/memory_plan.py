@@ -40,7 +40,7 @@ from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.params import Params
 from pipelines.repeats import counted_repeats
-from pipelines.resolve.counted_step import phased, track_counting_flops, window_kernels
+from pipelines.resolve.counted_step import marking_recompute, phased, track_counting_flops, window_kernels
 from pipelines.resolve.eval_memory import generation_peaks, largest_eval_batch, validation_peak
 from pipelines.resolve.qlora_plan import EightBitAdamWPlan, as_qlora
 from pipelines.resolve.target import CPU_TARGET, PlanTarget
@@ -303,7 +303,7 @@ def plan_memory(
     model = _fake_model(mode, params.seed, build_base, adapt)
     with mode:
         model.train()
-        recompute = target.recompute_context if target.card is not None else None
+        recompute = marking_recompute(target.recompute_context if target.card is not None else None)
         offload = apply_memory_levers(model, params, device, planning=True, recompute_context=recompute,
                                       precision=precision)  # as trained  # fmt: skip
         runtime = replace(runtime, loss=resolve_loss(model, params, task))

@@ -7,9 +7,12 @@ state, the activations it saves for the backward (or, checkpointed, its input), 
 not in a block (embeddings, the head, the loss, the logits) is the same at any depth. So the plan of `n` blocks
 is the plan at depth `a` plus (n - a) times the difference between the plans at depths `b` and `a`, per block.
 
-The two depths are multiples of `grad_checkpointing_every` (so the checkpointed blocks repeat alike) and at least
-two blocks apart from the ends' special cases. A model no deeper than `WHOLE_UP_TO` blocks is planned whole.
-`tests/pipelines/test_plan_depth.py` checks the extrapolation against whole plans.
+The two depths are one and two groups of blocks. A group is a checkpointed block and the plain ones after it
+(`grad_checkpointing_every` blocks), so the checkpointed blocks repeat alike; without checkpointing every 2nd block
+it is two blocks, as the first and the last block are special cases (the first's input needs no gradient). So a model
+checkpointed every 2nd block is planned at 2 and 4 blocks (at 4 and 8 before: twice the time). A model no deeper than
+`WHOLE_UP_TO` blocks is planned whole. `tests/pipelines/test_plan_depth.py` checks the extrapolation against whole
+plans.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ ALLOCATION_BLOCK = 512  # a card's allocations round to 512 bytes (resolve/cuda_
 
 def planned_depths(layers: int, every: int = 1) -> tuple[int, int] | None:
     """The two depths a model of `layers` blocks is planned at, or None to plan it whole."""
-    a, b = 2 * every, 4 * every
+    group = every if every > 1 else 2  # whole groups (a checkpointed block and the plain ones after it), 2+ blocks
+    a, b = group, 2 * group
     return (a, b) if layers > max(WHOLE_UP_TO, b) else None
 
 

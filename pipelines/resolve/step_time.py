@@ -147,14 +147,19 @@ def predict_step(
 
 
 def arithmetic_floor_s(
-    plan: MemoryPlan, precision: str, where: PlanTarget | torch.device, tf32: bool | str = "auto"
+    plan: MemoryPlan,
+    precision: str,
+    where: PlanTarget | torch.device,
+    tf32: bool | str = "auto",
+    compiled: bool = False,
 ) -> float:
-    """The fewest seconds `plan`'s step could take in `precision`: its arithmetic alone at the best efficiency, eager
-    or compiled (launches only add to it). FLOPs do not depend on the precision, so one plan bounds the others."""
+    """The fewest seconds `plan`'s step could take in `precision`, eager or `compiled` (as `predict_step` prices it):
+    its arithmetic alone at that efficiency (launches only add to it). FLOPs do not depend on the precision or the
+    micro-batch, so one plan bounds the others."""
     target = as_target(where)
     speed = CPU_SPEED if target.card is None else GPU_SPEED
-    best = max(speed.efficiency_eager, speed.efficiency_compiled)
-    return _average_step_flops(plan) / (peak_flops(precision, target, tf32) * best)
+    efficiency = speed.efficiency_compiled if compiled else speed.efficiency_eager
+    return _average_step_flops(plan) / (peak_flops(precision, target, tf32) * efficiency)
 
 
 def _average_step_flops(plan: MemoryPlan) -> float:

@@ -91,11 +91,40 @@ def _sdpa_backward_model(grad_out: Any, query: Any, key: Any, value: Any, *args:
     return 2 * torch_flops.sdpa_flop_count(query, key, value)
 
 
+class _Recomputing:
+    """How many checkpointed recomputes are running (`recomputing`): a plain count, not thread-local, because
+    autograd may run a backward on its own threads."""
+
+    depth = 0
+
+
+@contextmanager
+def recomputing() -> Iterator[None]:
+    """Marks checkpointing's recomputed forward (enter it in torch checkpoint's recompute context: `context_fn`), which
+    the model-work counter leaves out: it is hardware work, not the model's."""
+    _Recomputing.depth += 1
+    try:
+        yield
+    finally:
+        _Recomputing.depth -= 1
+
+
+class _ModelWorkCounter(torch_flops.FlopCounterMode):
+    """torch's counter, skipping what runs inside `recomputing()`: a checkpointed step counts the model's FLOPs in the
+    same fake step as the hardware's (before, a third fake step without checkpointing counted them)."""
+
+    def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+        if _Recomputing.depth:
+            return out
+        return super()._count_flops(func_packet, out, args, kwargs)
+
+
 def flop_counter(model_work: bool) -> torch_flops.FlopCounterMode:
     """torch's FLOP counter with attention on every SDPA kernel, the CPU's included.
 
-    `model_work`: count the model's FLOPs (an attention backward is twice its forward) rather than the
-    hardware's (the flash kernels recompute the scores in the backward)."""
+    `model_work`: count the model's FLOPs (an attention backward is twice its forward; checkpointing's recomputed
+    forward, marked by `recomputing()`, left out) rather than the hardware's (the flash kernels recompute the scores
+    in the backward)."""
     aten = torch.ops.aten
     backward = _sdpa_backward_model if model_work else _sdpa_backward_hardware
     mapping = {
@@ -109,7 +138,7 @@ def flop_counter(model_work: bool) -> torch_flops.FlopCounterMode:
             aten._scaled_dot_product_cudnn_attention_backward,
         ):
             mapping[op] = backward
-    return torch_flops.FlopCounterMode(display=False, custom_mapping=mapping)
+    return (_ModelWorkCounter if model_work else torch_flops.FlopCounterMode)(display=False, custom_mapping=mapping)
 
 
 def flops_metrics(

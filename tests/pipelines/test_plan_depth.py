@@ -57,8 +57,9 @@ def test_a_plan_by_depth_is_the_whole_plan_within_1_percent(default_params, case
 
 
 def test_a_shallow_or_unknown_depth_is_planned_whole():
-    assert planned_depths(8) is None and planned_depths(9) == (2, 4) and planned_depths(16, every=3) == (6, 12)
-    assert planned_depths(16, every=4) is None  # its second depth would be the whole model
+    assert planned_depths(8) is None and planned_depths(9) == (2, 4) and planned_depths(16, every=2) == (2, 4)
+    assert planned_depths(16, every=3) == (3, 6) and planned_depths(16, every=4) == (4, 8)  # whole groups
+    assert planned_depths(16, every=8) is None  # its second depth would be the whole model
     calls: list[int | None] = []
     plan_by_depth(lambda depth: calls.append(depth), None)  # type: ignore[arg-type, func-returns-value]
     assert calls == [None]
