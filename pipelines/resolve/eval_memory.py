@@ -10,8 +10,6 @@ of its largest batch (`Task.generation_probe`: prefill, then the last step with 
 
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 import torch
 from torch import nn
@@ -83,9 +81,9 @@ def generation_peaks(model: nn.Module, probe: GenerationProbe, runtime: Runtime)
 def _cache_named(model: nn.Module, inputs: dict[str, object]) -> dict[str, object]:
     """The probe's step inputs with the key/value cache under the name the model's forward takes: transformers 5.24
     renamed `past_key_values` to `cache` (the old name warns, once per forward); 5.23, our floor, has only the old."""
-    from pipelines.tasks.linear_ce import unwrapped
+    from pipelines.tasks.linear_ce import forward_takes
 
-    if "past_key_values" not in inputs or "cache" not in inspect.signature(unwrapped(model).forward).parameters:
+    if "past_key_values" not in inputs or not forward_takes(model, "cache"):
         return inputs
     renamed = {k: v for k, v in inputs.items() if k != "past_key_values"}
     return {**renamed, "cache": inputs["past_key_values"]}

@@ -8,7 +8,6 @@ alone, so a window's loss is the mean over all its target tokens, whatever its m
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,7 +27,7 @@ from pipelines.params import DataParams, ModelParams, Params
 from pipelines.runtime import FULL_LOSS, LossImpl, Runtime
 from pipelines.tasks.base import Encoded, EvaluationResult, GenerationProbe, QualityMetric
 from pipelines.tasks.generation import GenerationTask, fit_to_length, score_generation
-from pipelines.tasks.linear_ce import projected_cross_entropy, unwrapped
+from pipelines.tasks.linear_ce import forward_takes, projected_cross_entropy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -131,8 +130,7 @@ def _keeps_logits(model: nn.Module) -> bool:
     GPU machine's transformers). Those models get full logits and the same loss instead."""
     from transformers import modeling_utils
 
-    takes = "logits_to_keep" in inspect.signature(unwrapped(model).forward).parameters
-    return takes and hasattr(modeling_utils, "slice_logits_to_keep")
+    return forward_takes(model, "logits_to_keep") and hasattr(modeling_utils, "slice_logits_to_keep")
 
 
 def next_token_loss(

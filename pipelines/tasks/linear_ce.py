@@ -16,6 +16,7 @@ validation agree.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 
 import torch
@@ -40,6 +41,11 @@ def unwrapped(model: nn.Module) -> nn.Module:
     inner = getattr(model, "module", model)  # DDP
     inner = getattr(inner, "_orig_mod", inner)  # torch.compile
     return inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft
+
+
+def forward_takes(model: nn.Module, name: str) -> bool:
+    """Whether the (unwrapped) transformers model's forward takes the argument `name`."""
+    return name in inspect.signature(unwrapped(model).forward).parameters
 
 
 def chunk_rows_for(vocab_size: int) -> int:

@@ -113,9 +113,14 @@ def store_frozen_weights(model: nn.Module, params: Params, precision: str) -> in
     dtype = _COMPUTE_DTYPES.get(precision)
     if dtype is None or params.distributed.strategy == "fsdp":
         return 0
+    return _store_fp32_weights(model, dtype, frozen_only=True)
+
+
+def _store_fp32_weights(model: nn.Module, dtype: torch.dtype, frozen_only: bool) -> int:
+    """Cast `model`'s fp32 weights (the frozen ones only, or all) to `dtype` in place; how many were cast."""
     cast = 0
     for param in model.parameters():
-        if not param.requires_grad and param.dtype == torch.float32:
+        if param.dtype == torch.float32 and not (frozen_only and param.requires_grad):
             param.data = param.data.to(dtype)
             cast += 1
     return cast
@@ -138,12 +143,7 @@ def store_trained_weights(model: nn.Module, params: Params, precision: str) -> i
             f"weights_dtype: bf16 trains weights stored in bf16, under bf16 autocast; precision: {params.precision} "
             f"resolved to {precision} here: set precision: bf16 (on a machine with bf16), or weights_dtype: fp32"
         )
-    cast = 0
-    for param in model.parameters():
-        if param.dtype == torch.float32:
-            param.data = param.data.to(torch.bfloat16)
-            cast += 1
-    return cast
+    return _store_fp32_weights(model, torch.bfloat16, frozen_only=False)
 
 
 def apply_memory_levers(
