@@ -8,12 +8,15 @@ Two models, each trained for one epoch of the same rows with length bucketing (o
   model.config);
 - "minilm": all-MiniLM-L6-v2 on AG News (max_length 128), skipped with the reason when either is missing.
 
-Per round, per model, three runs, each in a fresh process (so nothing compiled stays in memory): eager; compiled
+Per round, per model, four runs, each in a fresh process (so nothing compiled stays in memory): eager; compiled
 with an empty Inductor cache ("cold": every graph compiled); compiled again on the cache the cold run filled
-("cached": what a second trial or experiment pays). Rounds alternate the seed. Reported per run: `compile_time_s`
-(the shapes warmed before timing), `train_time_s` (the timed steps), the median step, samples/s, the number of
-batch shapes and graphs, the final loss; and the plan's predicted eager and compiled step and compile time
-(`pipelines.resolve.step_time`). Medians over rounds, and the ratio compiled/eager of the steps time.
+("cached": what a second trial or experiment pays); compiled in a fresh, empty cache folder holding only the
+Mega-Cache blob the cold run saved ("blob": what another machine or Ray worker pays). Rounds alternate the seed.
+Reported per run: `compile_time_s` (the shapes warmed before timing), `train_time_s` (the timed steps), the median
+step, samples/s, the number of batch shapes and graphs, the final loss, the compile cache's hits and misses
+(Inductor's FX graphs, AOTAutograd's); and the plan's predicted eager and compiled step and compile time in the case
+the compile cache predicted (cold or warm: `pipelines.resolve.step_time`, `pipelines.train.compile_cache`). Medians
+over rounds, and the ratio compiled/eager of the steps time.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -32,9 +36,10 @@ import torch
 
 from benchmarks.common import AG_NEWS, REPO_ROOT, TRAINING_BASE, ag_news_overrides, minilm_path, subset
 from pipelines.params import apply_overrides, load_params
+from pipelines.train.compile_cache import BLOBS
 
 BASE = {**TRAINING_BASE, "device": "cpu", "data.bucketing": True, "precision": "fp32", "fast_dropout": False}
-RUNS = ("eager", "cold", "cached")
+RUNS = ("eager", "cold", "cached", "blob")
 
 
 def params_for(model: str, rows: int, seed: int) -> Any:
@@ -72,7 +77,8 @@ def one_run(model_name: str, run: str, rows: int, seed: int, data_dir: Path) -> 
     model = task.build_model(params, tokenizer, data_dir, REPO_ROOT)
     params = apply_overrides(params, {"compile": run != "eager"})
     result = train_model(model, train, None, params, pad_id=int(tokenizer.pad_token_id), device=torch.device("cpu"),
-                         precision="fp32", task=task, say=lambda _: None)  # fmt: skip
+                         precision="fp32", task=task, say=lambda _: None,
+                         compile_prediction=None if predicted is None else predicted[1])  # fmt: skip
     m = result.metrics
     out: dict[str, float | str] = {
         "compile_time_s": m["compile_time_s"],
@@ -83,6 +89,12 @@ def one_run(model_name: str, run: str, rows: int, seed: int, data_dir: Path) -> 
         "compile_graphs_in_loop": m["compile_graphs_in_loop"],
         "final_train_loss": m["final_train_loss"],
         "timed_steps": m["timed_steps"],
+        "compile_shapes": m.get("compile_shapes", 0.0),
+        "compile_cache_hits": m.get("compile_cache_hits", 0.0),
+        "compile_cache_misses": m.get("compile_cache_misses", 0.0),
+        "compile_blob_loaded": m.get("compile_blob_loaded", 0.0),
+        "predicted_compile_time_s": m.get("predicted_compile_time_s", 0.0),
+        "compile_resolved": result.notes.get("compile.resolved", ""),
         "pad_widths": result.notes.get("pad_widths.resolved", "—"),
         "plan_step_kernels": float(plan.step_kernels),
         "plan_update_kernels": float(plan.update_kernels),
@@ -93,13 +105,22 @@ def one_run(model_name: str, run: str, rows: int, seed: int, data_dir: Path) -> 
         out.update({
             "predicted_eager_step_ms": 1000 * step.eager_s,
             "predicted_compiled_step_ms": 1000 * step.compiled_s,
-            "predicted_compile_s_per_shape": compile_cost.compile_s_per_shape,
+            "predicted_compile_cold_s": compile_cost.compile_s,
+            "predicted_compile_warm_s": compile_cost.warm_compile_s,
+            "predicted_compile_blob_s": compile_cost.blob_compile_s,
         })  # fmt: skip
     return out
 
 
 def in_subprocess(model: str, run: str, rows: int, seed: int, data_dir: Path, cache: Path) -> dict[str, Any]:
-    """`one_run` in a fresh process whose Inductor cache is `cache`."""
+    """`one_run` in a fresh process whose Inductor cache is `cache`; a `blob` run's is a fresh folder holding only the
+    Mega-Cache blob the cold run saved in `cache` (what another machine or Ray worker receives)."""
+    if run == "blob":
+        fresh = cache.with_name(cache.name + "-blob")
+        (fresh / BLOBS).mkdir(parents=True, exist_ok=True)
+        for blob in (cache / BLOBS).glob("*.bin"):
+            shutil.copyfile(blob, fresh / BLOBS / blob.name)
+        cache = fresh
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
     command = [sys.executable, "-m", "benchmarks.bench_compile", "--one", model, run, str(rows), str(seed)]
     command.append(str(data_dir))
@@ -112,9 +133,9 @@ def in_subprocess(model: str, run: str, rows: int, seed: int, data_dir: Path, ca
 def table(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
     """Medians over rounds, one row per model and run."""
     lines = [
-        "| model | run | compile s | steps s | steps vs eager | step p50 ms | predicted step ms | samples/s | shapes "
-        "(graphs) | widths | final loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | run | compile s (predicted) | cache hits / misses | steps s | steps vs eager | step p50 ms "
+        "| predicted step ms | samples/s | shapes (graphs) | widths | final loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def med(runs: list[dict[str, Any]], key: str) -> float:
@@ -126,10 +147,16 @@ def table(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
             key = "predicted_eager_step_ms" if run == "eager" else "predicted_compiled_step_ms"
             predicted = f"{med(runs, key):,.1f}" if key in runs[0] else "—"
             spread = ", ".join(f"{float(r['train_time_s']):.1f}" for r in runs)
+            compiled = run != "eager"
+            compile_s = (f"{med(runs, 'compile_time_s'):.1f} ({med(runs, 'predicted_compile_time_s'):.1f})"
+                         if compiled else "—")  # fmt: skip
+            hits = f"{med(runs, 'compile_cache_hits'):.0f} / {med(runs, 'compile_cache_misses'):.0f}"
+            hits = hits if compiled else "—"
+            shapes = f"{int(med(runs, 'compile_shapes'))} ({int(med(runs, 'compile_graphs'))})" if compiled else "—"
             lines.append(
-                f"| {model} | {run} | {med(runs, 'compile_time_s'):.1f} | {med(runs, 'train_time_s'):.1f} ({spread}) "
+                f"| {model} | {run} | {compile_s} | {hits} | {med(runs, 'train_time_s'):.1f} ({spread}) "
                 f"| {med(runs, 'train_time_s') / eager_steps:.2f}x | {med(runs, 'step_time_p50_ms'):.1f} | {predicted} "
-                f"| {med(runs, 'samples_per_s'):.1f} | {int(med(runs, 'compile_graphs'))} | {runs[0]['pad_widths']} "
+                f"| {med(runs, 'samples_per_s'):.1f} | {shapes} | {runs[0]['pad_widths']} "
                 f"| {med(runs, 'final_train_loss'):.4f} |"
             )
     return "\n".join(lines)

@@ -109,9 +109,15 @@ class Bench:
                              task=task, compile_prediction=prediction)  # fmt: skip
         m, compiled = result.metrics, result.notes["compile.resolved"].startswith("on")
         predicted = None if step is None else 1000 * (step.compiled_s if compiled else step.eager_s)
+        # The trial's own peak (never a window of the bench's: after a CUDA graph's recording the allocator sees no
+        # replay), beside the static floor it must not be under: weights + gradients + optimizer state.
+        floor = m["param_bytes"] + m["trainable_param_bytes"] + m["optimizer_state_bytes"]
         return self.figures(m["samples_per_s"], m["tokens_per_s"], model, m["step_time_p50_ms"], {
             "predicted_step_ms": predicted, "compile_resolved": result.notes["compile.resolved"],
             "compile_time_s": m["compile_time_s"], "losses": [h["loss"] for h in result.history],
+            "peak_allocated_mb": m["peak_train_memory_bytes"] / 2**20, "static_floor_mb": floor / 2**20,
+            "predicted_compile_time_s": m.get("predicted_compile_time_s"),
+            "compile_cache_hits": m.get("compile_cache_hits"), "compile_cache_misses": m.get("compile_cache_misses"),
         })  # fmt: skip
 
     def trainer(self, **arguments: Any) -> dict[str, Any]:

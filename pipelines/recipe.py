@@ -182,6 +182,8 @@ def resolve(trial: Trial, setup: Setup) -> ResolvedTraining:
     resolved = resolve_training(setup.preflight, planner, setup.model, setup.train, setup.task, setup.runtime)
     plan, sweep = resolved.plan, resolved.lr_sweep
     predicted = {} if resolved.predicted_step_ms is None else {"predicted_step_time_ms": resolved.predicted_step_ms}
+    if resolved.predicted_compile_s is not None:
+        predicted["predicted_compile_time_s"] = resolved.predicted_compile_s
     trial.logger.log_dict({**(plan.as_metrics() if plan else {}), **(sweep.as_metrics() if sweep else {}), **predicted})
     if sweep:
         log_lr_range(trial.logger, sweep)
@@ -239,7 +241,16 @@ def train(trial: Trial, setup: Setup, resolved: ResolvedTraining) -> TrainResult
     )
     progress.close()
     logger.log_tags({"checkpoint": " / ".join(resume_messages), **result.notes})
+    log_compile_blob(logger, result.notes.get("compile.blob"))
     return result
+
+
+def log_compile_blob(logger: TrialLogger, blob: str | None) -> None:
+    """A compiled trial's Mega-Cache blob as the run's artifact `compile_cache/<fingerprint>.bin`: another machine
+    with the same torch and device copies it into `.cache/torch/mega/` and loads its graphs instead of compiling."""
+    client = getattr(logger, "client", None)
+    if client is not None and blob is not None and Path(blob).is_file():
+        client.log_artifact(logger.run_id, blob, "compile_cache")
 
 
 def evaluate_and_save(trial: Trial, setup: Setup, resolved: ResolvedTraining, result: TrainResult) -> dict[str, float]:

@@ -240,6 +240,7 @@ class Runtime:
     pad_id: int
     loss: LossImpl = field(default=FULL_LOSS)
     widths: WidthSet | None = None  # a compiled step's padded widths (pipelines.train.compiled_step), else the multiple
+    compile_key: str | None = None  # a compiled step's fingerprint (pipelines.train.compile_cache)
 
     @property
     def padding(self) -> Padding:
@@ -267,9 +268,11 @@ class Runtime:
 
 
 def resolve_runtime(
-    params: Params, device: torch.device, pad_id: int, precision: ResolvedPrecision | None = None
+    params: Params, device: torch.device, pad_id: int, precision: str | None = None
 ) -> Runtime:
-    """The runtime for `params` on `device`; `precision` when already resolved (else `params.precision`'s)."""
-    precision = precision or resolve_precision(params, device)
+    """The runtime for `params` on `device`; `precision` when already resolved (else `params.precision`'s; `auto`
+    either way is the device's pick)."""
+    # "auto" resolved here too: callers that pass `params.precision` as it is set get the device's pick.
+    precision = local_capability(device).resolve(precision or params.precision)
     return Runtime(device, precision, resolve_tf32(params, precision, device), resolve_pad_multiple(params, device),
                    pad_id)  # fmt: skip

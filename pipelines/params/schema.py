@@ -47,7 +47,11 @@ class Params(StrictModel):
         description="causal_lm: also learn the prompt's tokens (false: only the response's tokens count in the loss)."
     )
     optim: Optimizer = Field(description=f"Optimizer: {optimizers_described()}.")
-    precision: Precision = Field(description="fp32, fp16 (autocast + loss scaling), bf16 (autocast), or auto.")
+    precision: Precision = Field(
+        description="fp32, fp16 (autocast + loss scaling), bf16 (autocast), or auto: bf16 where the device runs it "
+        "natively (CUDA since Ampere, a CPU torch reports as AVX512_BF16 or AMX), fp16 on an older card, fp32 on any "
+        "other CPU."
+    )
     weights_dtype: WeightsDtype = Field(
         description="How trained weights are stored: fp32 (master copies under mixed precision) or bf16 (pure "
         "16-bit training, as torchtune's default: weights, gradients and optimizer state in bf16; needs "
@@ -116,10 +120,11 @@ class Params(StrictModel):
     prefetch_factor: PositiveInt = Field(description="Batches each DataLoader worker prepares ahead.")
     pin_memory: bool = Field(description="Pin host batches for faster, non-blocking copies (CUDA only).")
     compile: bool | Literal["auto"] = Field(
-        description="torch.compile the whole step (forward, loss, backward; the optimizer's fused step), one graph "
-        "per padded batch shape (widths rounded to at most 8 from the length histogram), warmed before timing and "
-        "cached under .cache/; CUDA graphs on a GPU. auto: on when the plan predicts its compile time is repaid "
-        "within the run, else off (the tag compile.resolved says why)."
+        description="torch.compile the whole step (forward, loss, backward; the optimizer's fused step) once for "
+        "every padded width (widths rounded to at most 8 from the length histogram; the width dynamic), each batch "
+        "shape warmed before timing, cached under .cache/ with a manifest and a Mega-Cache blob; CUDA graphs on a "
+        "GPU, one recording per width. auto: on when the plan predicts its compile time, cold or warm as the cache "
+        "holds it, is repaid within the run, else off (the tag compile.resolved says why)."
     )
     tf32: bool | Literal["auto"] = Field(
         description="TF32 matmuls and convolutions on CUDA; auto: on for bf16/fp16 runs, off for fp32 (a real fp32 "

@@ -7,7 +7,8 @@ each one kernel launched by Python eagerly). On a GPU the host launches ahead of
 longer of the two; on a CPU the same cores do both, so it takes their sum. Compiled, the arithmetic runs at a higher
 share (fused elementwise work) and fewer launches remain: on a GPU the step's graphs replay as CUDA graphs, one
 launch per forward and per backward of each micro-batch plus the optimizer's; on a CPU Inductor fuses the
-elementwise ops into a share of the kernels. Compiling costs a fixed time per batch shape plus a time per op traced.
+elementwise ops into a share of the kernels. Compiling costs one compile of the step (cold, warm from the cache or
+from a blob: `pipelines.train.compile_cache` says which) plus a warm-up per batch shape.
 
 Where each constant comes from (re-measure with `benchmarks/bench_compile.py` on a CPU, `bench_gpu_parts` on a card):
 - GPU efficiencies: a Llama-shaped 1.1B on one H100, bf16, 8 x 1024 tokens (`../shared/gpu/H100-2026-11-25.md`,
@@ -16,17 +17,26 @@ Where each constant comes from (re-measure with `benchmarks/bench_compile.py` on
   about 2 ms of arithmetic, divided by the 1,437 ops our plan counts for that step (1,024 in forward and backward,
   413 in the update as the fake step runs it: the CPU's per-parameter clipping, where CUDA runs foreach kernels; the
   constant absorbs that difference). About 40 us per op: the host's Python and dispatch per op, not the launch alone.
-- The graphed step: not measured yet (no GPU has run the whole-step compile): a forward and a backward graph per
-  micro-batch, plus the update's ops, at the same cost per launch. Until a GPU measures it, treat it as a bound.
+- The graphed step: a forward and a backward graph per micro-batch, plus the update's ops, at the same cost per
+  launch. BERT-base on the H200 (static widths) ran 10.9-15.8 ms against 16.8 ms predicted.
 - CPU: the peak is measured on this host (fp32 matmuls, `local_peak_flops`: 197 GFLOP/s on the 2-core AMD EPYC
-  with AVX-512, avx512_bf16 and no AMX, where the rest was fitted). Fitted there to `bench_compile`'s medians of
-  two rounds (benchmarks/RESULTS.md, "compile on CPU"): eager, 0.55 of that peak and 42 us per op (MiniLM 1,468 ms
-  a step, the default model 18.9 ms); compiled and loaded from the cache, MiniLM's steps took 0.84x of eager's time
-  (p50 step 0.91x) and the default model's 0.96x, so the compiled arithmetic runs at 0.61 of the peak and 95% of
-  the ops remain. Another CPU's peak is its own; its per-op cost is assumed alike.
-- Compile time per shape: 9.2 s plus 74 ms per forward-and-backward op, fitted to the same runs uncached (25 s a
-  shape for the default model's 214 ops, 49 s for MiniLM's 538); assumed the same on a GPU host until measured
-  there. From the cache, a shape took 3-7 s.
+  with AVX-512, avx512_bf16 and no AMX, where the rest was fitted). Eager: 0.55 of that peak and 42 us per op, fitted
+  to `bench_compile`'s medians (benchmarks/RESULTS.md, "compile on CPU"; MiniLM 1,468 ms a step, the default model
+  18.9 ms). Compiled with a dynamic width (one graph for every padded width: `pipelines.train.compiled_step`), the
+  step ran slower than eager on the same host: 1.02-1.10x of eager's time for MiniLM and 1.44x for the default
+  model, loaded from the cache (RESULTS.md, issue 52), where one graph per static width had run at 0.84x and 0.96x.
+  So the compiled arithmetic is priced at 0.52 of the peak and each op at 1.3 eager launches (symbolic sizes cost
+  host work per kernel): on a CPU a compiled bucketed step is predicted no faster, and `compile: auto` stays off.
+- Compile time (`CompileCost`): one compile of the step, cold, warm from this cache, or from a Mega-Cache blob alone,
+  plus a warm-up per batch shape. CPU, fitted to `bench_compile` (issue 52, medians of two rounds, 6 widths): cold
+  4.5 s + 129 ms per forward-and-backward op (32.4 s for the default model's 214 ops, 74.6 s for MiniLM's 541),
+  warm 26 ms per op (5.4 s, 15.1 s), from a blob 0.66 of cold (25.7 s, 39.7 s: on a CPU the blob carries the
+  kernels' C++ source, which is compiled again). GPU: the first GPU figures are the H200's
+  (`../shared/gpu/H200-2026-11-26.md`), for one graph per static width: BERT-base cold 152.7 s for 6 widths
+  (25.4 s a width for its ~1,024 ops: 24.8 ms an op), warm 15.3-20.3 s (about 3 s a width). One dynamic compile is
+  priced at 1.3x a static width's (the CPU's ratio, 32.4 s against 25 s), warm at 3 s, and a recording per width at
+  0.5 s; a blob there is priced as a warm compile (Triton's kernels travel compiled in it). The dynamic compile, the
+  recordings and the blob have not run on a GPU yet: treat these as bounds until a GPU measures them.
 """
 
 from __future__ import annotations
@@ -59,9 +69,35 @@ class SpeedModel:
 
 GPU_SPEED = SpeedModel(efficiency_eager=0.304, efficiency_compiled=0.409, launch_s=58e-3 / 1437,
                        compiled_kernel_share=1.0, overlap=True)  # fmt: skip
-CPU_SPEED = SpeedModel(efficiency_eager=0.55, efficiency_compiled=0.61, launch_s=42e-6,
-                       compiled_kernel_share=0.95, overlap=False)  # fmt: skip
-COMPILE_S_PER_SHAPE, COMPILE_S_PER_OP = 9.2, 0.074  # CPU, uncached: see the module docstring
+CPU_SPEED = SpeedModel(efficiency_eager=0.55, efficiency_compiled=0.52, launch_s=42e-6,
+                       compiled_kernel_share=1.3, overlap=False)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CompileCost:
+    """A device kind's compile constants (see the module docstring for each one's source): one cold compile of the
+    step costs `fixed_s` plus `per_op_s` per forward-and-backward op of a micro-batch; a warm one (its graphs loaded
+    from this cache) `warm_s` plus `warm_per_op_s` per op; one from a Mega-Cache blob alone `blob_share` of a cold
+    one; every batch shape then costs `per_shape_s` to warm (on CUDA: to record its graph)."""
+
+    fixed_s: float
+    per_op_s: float
+    warm_s: float
+    warm_per_op_s: float
+    blob_share: float
+    per_shape_s: float
+
+    def seconds(self, ops: float) -> tuple[float, float, float]:
+        """One compile of a step of `ops` ops: cold, warm from the cache, from a blob."""
+        cold = self.fixed_s + self.per_op_s * ops
+        warm = self.warm_s + self.warm_per_op_s * ops
+        return cold, warm, max(warm, self.blob_share * cold)
+
+
+CPU_COMPILE = CompileCost(fixed_s=4.5, per_op_s=0.129, warm_s=0.0, warm_per_op_s=0.026, blob_share=0.66,
+                          per_shape_s=0.05)  # fmt: skip
+GPU_COMPILE = CompileCost(fixed_s=0.0, per_op_s=0.0248 * 1.3, warm_s=3.0, warm_per_op_s=0.0, blob_share=0.0,
+                          per_shape_s=0.5)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -168,18 +204,20 @@ def _average_step_flops(plan: MemoryPlan) -> float:
     return plan.step_flops * (plan.mean_positions / plan.positions if plan.mean_positions and plan.positions else 1)
 
 
-def compile_seconds(plan: MemoryPlan, shapes: int) -> float:
-    """Predicted time to compile the step for `shapes` batch shapes (uncached)."""
-    per_micro_batch = plan.step_kernels / max(plan.micro_batches, 1)
-    return shapes * (COMPILE_S_PER_SHAPE + COMPILE_S_PER_OP * per_micro_batch)
+def compile_seconds(plan: MemoryPlan, target: PlanTarget) -> tuple[float, float, float, float]:
+    """Predicted seconds to compile the step once (cold, warm from the cache, from a blob) and to warm each batch
+    shape, on the target."""
+    cost = CPU_COMPILE if target.card is None else GPU_COMPILE
+    return *cost.seconds(plan.step_kernels / max(plan.micro_batches, 1)), cost.per_shape_s
 
 
 def predict_compile(
     plan: MemoryPlan | None, precision: str, where: PlanTarget | torch.device, tf32: bool | str = "auto"
 ) -> tuple[StepTime, CompilePrediction] | None:
-    """The step time and what compiling would save and cost (for `compile: auto`), or None without a plan; the
-    compile cost is per shape (multiplied by the run's shapes where they are known: `CompilePrediction` takes one)."""
+    """The step time and what compiling would save and cost (for `compile: auto`), or None without a plan; whether
+    the compile is cold or warm is the run's to say (`CompilePrediction.found`, from the compile cache)."""
     if plan is None or plan.step_kernels == 0:
         return None
     step = predict_step(plan, precision, where, tf32)
-    return step, CompilePrediction(step.eager_s, step.compiled_s, compile_seconds(plan, 1))
+    cold, warm, blob, per_shape = compile_seconds(plan, as_target(where))
+    return step, CompilePrediction(step.eager_s, step.compiled_s, cold, warm, blob, per_shape)

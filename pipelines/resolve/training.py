@@ -41,6 +41,7 @@ class ResolvedTraining:
     lr_sweep: LrRangeResult | None = None
     compile_note: str = "off: compile: false"
     predicted_step_ms: float | None = None  # the plan's predicted average step, as it will run (compiled or not)
+    predicted_compile_s: float | None = None  # a compiled run's predicted compile time, cold or warm as its cache holds
 
     def tags(self) -> dict[str, str]:
         """The decisions as MLflow tags."""
@@ -70,7 +71,9 @@ def resolve_training(
     plan = plan_or_none(planner, params) if probed and planner is not None else preflight.plan
     params, sweep = resolve_lr(params, model, train, runtime, task)
     predicted = predict_compile(plan, runtime.precision, runtime.device, params.tf32)
-    params, runtime, choice = resolve_compile(params, runtime, train, task, None if predicted is None else predicted[1])
+    prediction = None if predicted is None else predicted[1]
+    params, runtime, choice = resolve_compile(params, runtime, train, task, model, prediction)
     step = None if predicted is None else predicted[0]
     step_ms = None if step is None else 1000 * (step.compiled_s if choice.enabled else step.eager_s)
-    return ResolvedTraining(params, runtime, plan, preflight.note, sweep, choice.tag(), step_ms)
+    compile_s = choice.predicted_s if choice.enabled else None
+    return ResolvedTraining(params, runtime, plan, preflight.note, sweep, choice.tag(), step_ms, compile_s)

@@ -11,7 +11,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -133,26 +132,6 @@ def log_params(client: MlflowClient, run_id: str, params: Params) -> None:
     items = [Param(p.key, p.value[:_PARAM_VALUE_LIMIT]) for p in items]
     for i in range(0, len(items), _MAX_PARAMS_PER_BATCH):
         client.log_batch(run_id, params=items[i : i + _MAX_PARAMS_PER_BATCH], synchronous=True)
-
-
-def environment_tags() -> dict[str, str]:
-    """Device and library versions, so runs on different machines can be told apart."""
-    import torch
-    import transformers
-
-    tags = {
-        "env.python": platform.python_version(),
-        "env.torch": torch.__version__,
-        "env.transformers": transformers.__version__,
-        "env.platform": platform.platform(),
-        "env.cpu_count": str(os.cpu_count()),
-    }
-    if torch.cuda.is_available():
-        tags["env.device"] = torch.cuda.get_device_name(0)
-        tags["env.cuda"] = str(torch.version.cuda)
-    else:
-        tags["env.device"] = f"cpu ({torch.backends.cpu.get_cpu_capability()})"
-    return tags
 
 
 def leave_retries_to_run_logger() -> None:

@@ -1,23 +1,27 @@
-"""`compile`: the whole step compiled once per padded batch shape, warmed before timing, its graphs counted and bounded.
+"""`compile`: the whole step compiled once for every padded width, warmed before timing, its graphs counted and bounded.
 
 What is compiled is the step's forward and loss (`TrainStep.forward_loss`); AOTAutograd compiles their backward with
 them, and the optimizer's update is the fused kernel where the optimizer has one (AdamW), so every part of the step
 runs compiled or fused. On CUDA the compiled graphs run as CUDA graphs (`mode="reduce-overhead"`): Inductor's
-cudagraph trees record one graph per static shape and manage its memory pool, which explicit capture would need a
+cudagraph trees record one graph per shape and manage its memory pool, which explicit capture would need a
 capturable optimizer, static input buffers and hand-kept pools for; on a CPU there are no graphs to replay.
 
-Shapes are what makes compile pay or not: with length bucketing every new batch width recompiles, and on an H100
-that made a compiled 100-step run 7-8x slower than eager, on our side and the Trainer's (`../shared/gpu`,
-2026-11-25). So a compiled run pads every batch to a few widths from the training split's length histogram
-(`pipelines.data.batching.width_set`, at most 8), lists the distinct batch shapes of its whole plan (every epoch's
-batches are known before training), compiles and warms one batch of each before the clocks start
-(`compile_time_s`), and bounds the graphs at that count: a step that would need one more fails with the reason
-instead of running eager without a word (`recompile_limit`'s silent fallback). Compiled graphs are cached under
-the project's `.cache/torch/` (Inductor's FX graph and AOTAutograd caches), so a second trial or experiment with
-the same model and shapes loads them instead of compiling.
+Shapes are what makes compile pay or not: with length bucketing every new batch width recompiled, and on an H100
+that made a compiled 100-step run 7-8x slower than eager (`../shared/gpu`, 2026-11-25); with a few widths from the
+length histogram (`pipelines.data.batching.width_set`, at most 8) each width still compiled on its own, about 25 s
+each on an H200. So a compiled run pads every batch to those widths and compiles the step once with the width
+dynamic (`with_dynamic_width`: dim 1 of every batch tensor marked dynamic), then warms one batch of each distinct
+shape of its whole plan (every epoch's batches are known before training) before the clocks start
+(`compile_time_s`): one compile, and on CUDA one recording per width. The graphs are bounded: one, plus one when
+the row count varies as well (a partial last batch), and a step that would need more fails with the reason instead
+of running eager without a word (`recompile_limit`'s silent fallback). A run with one width compiles it static.
+Compiled graphs are cached under the project's `.cache/torch/` (Inductor's FX graph and AOTAutograd caches) with a
+manifest and Mega-Cache blobs (`pipelines.train.compile_cache`), so a second trial, experiment or machine with the
+same fingerprint loads them instead of compiling.
 
 `compile: auto` is decided by prediction (`decide_compile`): on when the steps of the run times the predicted saving
-per step exceed the predicted compile time, off otherwise, with the reason as the tag `compile.resolved`.
+per step exceed the predicted compile time, cold or warm as the compile cache holds the run's fingerprint, off
+otherwise, with the reason and the case as the tag `compile.resolved`.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
+import torch
+from torch import nn
 
 from pipelines.data.batching import MAX_WIDTHS, PadCollator, width_set
 from pipelines.data.loader import make_collator
@@ -38,7 +43,8 @@ from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.params import Params
 from pipelines.runtime import Runtime
-from pipelines.train.step import Batch, TrainStep
+from pipelines.train.compile_cache import CompileCache, compile_parts, fingerprint
+from pipelines.train.step import Batch, LossFn, TrainStep
 from pipelines.train.windows import training_sampler
 
 if TYPE_CHECKING:
@@ -56,35 +62,55 @@ class CompileError(UserError):
 
 @dataclass(frozen=True)
 class CompilePrediction:
-    """What the plan predicts of compiling this run: a step's seconds eager and compiled, and the compile time of
-    one batch shape (`pipelines.resolve.step_time`)."""
+    """What the plan predicts of compiling this run (`pipelines.resolve.step_time`): a step's seconds eager and
+    compiled; one compile of the step cold (nothing cached), warm (its graphs loaded from the cache) and from a
+    Mega-Cache blob alone; and the seconds each batch shape then costs to warm (on CUDA: record its graph). `found`
+    says which case holds: where the compile cache has the run's fingerprint ('cache' or 'blob',
+    `pipelines.train.compile_cache`), else None (cold)."""
 
     eager_step_s: float
     compiled_step_s: float
-    compile_s_per_shape: float
+    compile_s: float
+    warm_compile_s: float
+    blob_compile_s: float
+    shape_s: float
+    found: str | None = None
+
+    def compile_cost(self, shapes: int) -> float:
+        """Predicted seconds to compile and warm `shapes` batch shapes, in the case `found` says."""
+        once = {None: self.compile_s, "cache": self.warm_compile_s, "blob": self.blob_compile_s}[self.found]
+        return once + shapes * self.shape_s
+
+    def case(self) -> str:
+        """`cold`, or `warm (from the cache)` / `warm (from a blob)`."""
+        return "cold" if self.found is None else f"warm (from the {'cache' if self.found == 'cache' else 'blob'})"
 
     def repaid(self, steps: int, shapes: int) -> tuple[bool, str]:
         """Whether `steps` steps repay compiling `shapes` shapes, and the arithmetic that says so."""
         saving = steps * (self.eager_step_s - self.compiled_step_s)
-        cost = shapes * self.compile_s_per_shape
         if saving <= 0:
             return False, (
                 f"a compiled step is predicted no faster here ({1000 * self.compiled_step_s:,.1f} ms against "
                 f"{1000 * self.eager_step_s:,.1f} ms eager)"
             )
+        cost = self.compile_cost(shapes)
         verdict = saving > cost
         return verdict, (
             f"{steps} steps x {1000 * (self.eager_step_s - self.compiled_step_s):,.1f} ms predicted saving per step "
-            f"= {saving:,.1f} s {'>' if verdict else '<='} {cost:,.1f} s predicted to compile {shapes} batch shapes"
+            f"= {saving:,.1f} s {'>' if verdict else '<='} {cost:,.1f} s predicted to compile {self.case()} and "
+            f"warm {shapes} batch shapes"
         )
 
 
 @dataclass(frozen=True)
 class CompileChoice:
-    """`compile` resolved: on or off, and why (the tag `compile.resolved`)."""
+    """`compile` resolved: on or off, and why (the tag `compile.resolved`); when on, the seconds predicted to compile
+    (None without a plan) and the run's compile fingerprint (`pipelines.train.compile_cache`)."""
 
     enabled: bool
     reason: str
+    predicted_s: float | None = None
+    key: str | None = None
 
     def tag(self) -> str:
         """`on: <why>` or `off: <why>`."""
@@ -104,16 +130,53 @@ def blocker(params: Params, runtime: Runtime) -> str | None:
     return None
 
 
+@dataclass
+class RunShapes:
+    """The run's distinct batch shapes, collated at most once and only when a decision needs them, and the
+    fingerprint they give with the model (`pipelines.train.compile_cache`)."""
+
+    collect: Callable[[], list[tuple[tuple[str, tuple[int, ...]], ...]]]
+    keyed: Callable[[list[tuple[tuple[str, tuple[int, ...]], ...]]], str]
+    _shapes: list[tuple[tuple[str, tuple[int, ...]], ...]] | None = None
+
+    @property
+    def shapes(self) -> list[tuple[tuple[str, tuple[int, ...]], ...]]:
+        if self._shapes is None:
+            self._shapes = self.collect()
+        return self._shapes
+
+    def count(self) -> int:
+        return len(self.shapes)
+
+    def key(self) -> str:
+        return self.keyed(self.shapes)
+
+
 def decide_compile(
-    params: Params, runtime: Runtime, steps: int, shapes: int | Callable[[], int], prediction: CompilePrediction | None
+    params: Params,
+    runtime: Runtime,
+    steps: int,
+    shapes: int | RunShapes,
+    prediction: CompilePrediction | None,
+    cache: CompileCache | None = None,
 ) -> CompileChoice:
-    """`compile` resolved for a run of `steps` optimizer steps over `shapes` distinct batch shapes (counted only
-    when the decision needs them: a callable is called at most once)."""
+    """`compile` resolved for a run of `steps` optimizer steps over `shapes` distinct batch shapes (collated only when
+    the decision needs them); `cache` says whether their fingerprint is compiled already (warm) or not (cold)."""
     if params.compile is not True and params.compile != "auto":
         return CompileChoice(False, "compile: false")
-    count = (lambda: shapes) if isinstance(shapes, int) else shapes
+    count = (lambda: shapes) if isinstance(shapes, int) else shapes.count
+
+    def looked_up(prediction: CompilePrediction) -> CompilePrediction:  # cold or warm: is the fingerprint cached?
+        if cache is None or isinstance(shapes, int):
+            return prediction
+        return replace(prediction, found=cache.holds(shapes.key()))
+
+    key = None if isinstance(shapes, int) else shapes.key
     if params.compile is True:
-        return CompileChoice(True, f"compile: true ({count()} batch shapes)")
+        prediction = None if prediction is None else looked_up(prediction)
+        predicted = None if prediction is None else prediction.compile_cost(count())
+        case = "" if prediction is None else f", {prediction.case()}"
+        return CompileChoice(True, f"compile: true ({count()} batch shapes{case})", predicted, key() if key else None)
     why_not = blocker(params, runtime)
     if why_not is not None:
         return CompileChoice(False, why_not)
@@ -124,8 +187,9 @@ def decide_compile(
         return CompileChoice(False, f"{shapes_in_run} batch shapes, over the {MAX_SHAPES} a compiled run warms")
     if prediction is None:
         return CompileChoice(False, "no memory plan to predict its saving from")
+    prediction = looked_up(prediction)
     verdict, arithmetic = prediction.repaid(steps, shapes_in_run)
-    return CompileChoice(verdict, arithmetic)
+    return CompileChoice(verdict, arithmetic, prediction.compile_cost(shapes_in_run), key() if key else None)
 
 
 def compiled_runtime(runtime: Runtime, params: Params, train: TokenizedSplit) -> Runtime:
@@ -136,22 +200,47 @@ def compiled_runtime(runtime: Runtime, params: Params, train: TokenizedSplit) ->
     return replace(runtime, widths=width_set(train.lengths, runtime.pad_multiple))
 
 
+def compile_options(params: Params, runtime: Runtime) -> dict[str, object]:
+    """The compile options and the step's constants a compiled graph bakes in (the fingerprint's `options`)."""
+    return {
+        "mode": compile_mode(runtime.device),
+        "dynamic_width": dynamic_width(runtime),
+        "precision": runtime.precision,
+        "tf32": runtime.tf32,
+        "loss": runtime.loss.describe(),
+        "task": params.task,
+        "weights_dtype": params.weights_dtype,
+        "grad_checkpointing": [params.grad_checkpointing, params.grad_checkpointing_every],
+        "kernels": params.kernels,
+    }
+
+
 def resolve_compile(
-    params: Params, runtime: Runtime, train: TokenizedSplit, task: Task, prediction: CompilePrediction | None
+    params: Params,
+    runtime: Runtime,
+    train: TokenizedSplit,
+    task: Task,
+    model: nn.Module,
+    prediction: CompilePrediction | None,
 ) -> tuple[Params, Runtime, CompileChoice]:
-    """`compile` decided for this run (`decide_compile`), and the params and runtime it trains with: `compile` a bool,
-    and a compiled run's batches padded to its widths."""
+    """`compile` decided for this run (`decide_compile`, against the project's compile cache), and the params and
+    runtime it trains with: `compile` a bool, and a compiled run's batches padded to its widths, keyed by its
+    fingerprint."""
     widened = compiled_runtime(runtime, params, train)
     sampler = training_sampler(train, params)
     planned = [sampler.batches(epoch) for epoch in range(params.epochs)]
     steps = sum(math.ceil(len(batches) / params.grad_accum_steps) for batches in planned)
 
-    def shapes() -> int:
+    def collect() -> list[tuple[tuple[str, tuple[int, ...]], ...]]:
         collator = make_collator(train, params, widened, task)
-        return len(batches_by_shape(collator, [rows for batches in planned for rows in batches]))
+        return [shape_of(collator(rows)) for rows in batches_by_shape(collator, [r for b in planned for r in b])]
 
-    choice = decide_compile(params, runtime, steps, shapes, prediction)
-    return params.model_copy(update={"compile": choice.enabled}), widened if choice.enabled else runtime, choice
+    def keyed(shapes: list[tuple[tuple[str, tuple[int, ...]], ...]]) -> str:
+        return fingerprint(compile_parts(model, runtime.device, compile_options(params, widened), shapes))
+
+    choice = decide_compile(params, runtime, steps, RunShapes(collect, keyed), prediction, CompileCache(cache_dir()))
+    trained_with = replace(widened, compile_key=choice.key) if choice.enabled else runtime
+    return params.model_copy(update={"compile": choice.enabled}), trained_with, choice
 
 
 def shape_of(batch: Batch) -> tuple[tuple[str, tuple[int, ...]], ...]:
@@ -178,27 +267,69 @@ def batches_by_shape(collator: PadCollator, batches: list[list[int]]) -> list[li
     return list(seen.values())
 
 
+def cache_dir(root: Path | None = None) -> Path:
+    """The folder Inductor's caches (and the compile manifest and blobs) live in: TORCHINDUCTOR_CACHE_DIR, else the
+    project's `.cache/torch`."""
+    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(((root or Path.cwd()) / CACHE_DIR).resolve())))
+
+
 def use_cache(root: Path | None = None) -> Path:
     """Keep Inductor's caches under the project's `.cache/torch` (unless TORCHINDUCTOR_CACHE_DIR is set): a second
     run with the same model and shapes loads its compiled graphs. Returns the folder."""
-    folder = Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(((root or Path.cwd()) / CACHE_DIR).resolve())))
+    folder = Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir(root))))
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 
 
+def compile_mode(device: torch.device) -> str | None:
+    """CUDA graphs on CUDA (`reduce-overhead`); Inductor's default on a CPU, where there are no graphs to replay."""
+    return "reduce-overhead" if device.type == "cuda" else None
+
+
+def dynamic_width(runtime: Runtime) -> bool:
+    """Whether the step is compiled with a dynamic width: bucketed batches padded to more than one width."""
+    return runtime.widths is not None and len(runtime.widths.widths) > 1
+
+
+def with_dynamic_width(compiled: LossFn) -> LossFn:
+    """`compiled` called with dim 1 (the width) of every 2-D batch tensor marked dynamic: one graph for every width.
+
+    `maybe_mark_dynamic`, not `mark_dynamic`: a model whose code specializes the width (transformers' causal-mask
+    helpers branch on it for some models) then compiles one graph per width, as a static compile would, instead of
+    failing; `compile_graphs` says how many it took.
+
+    Static shapes compiled one graph per width, about 25 s each on an H200 and 19 s each on this CPU for the default
+    model; marked dynamic, Dynamo traces once with a symbolic width and Inductor compiles once, and on CUDA the
+    cudagraph trees record one graph per width that runs (a recording, not a compile)."""
+    import torch._dynamo
+
+    def run(batch: Batch) -> torch.Tensor:
+        for tensor in batch.values():
+            if tensor.dim() >= 2 and tensor.shape[1] > 1:
+                torch._dynamo.maybe_mark_dynamic(tensor, 1)
+        return compiled(batch)
+
+    return run
+
+
 def compile_step(step: TrainStep) -> TrainStep:
-    """`step` with its forward and loss compiled: static shapes (one graph per shape, never dynamic ones, which
-    CUDA graphs cannot replay), CUDA graphs on CUDA.
+    """`step` with its forward and loss compiled: one graph over every padded width when there are several (a
+    dynamic width), static otherwise; CUDA graphs on CUDA, recorded per width. Inductor's compile workers are the
+    trial's threads, so trials sharing a node do not each start one per core.
 
     Dynamo's in-memory caches are cleared first: they are kept per code object, and every step compiles the same
     one (`TrainStep.forward_loss`), so a second run in one process (tests, benchmarks) would count the first run's
     graphs against its bound. What is on disk stays: a run compiled before loads its graphs from the cache."""
     import torch._dynamo
+    import torch._inductor.config
 
     torch._dynamo.reset()
     use_cache()
-    mode = "reduce-overhead" if step.runtime.device.type == "cuda" else None
-    return step.compiled(lambda loss: torch.compile(loss, dynamic=False, mode=mode))
+    torch._inductor.config.compile_threads = max(1, torch.get_num_threads())
+    mode, dynamic = compile_mode(step.runtime.device), dynamic_width(step.runtime)
+    if not dynamic:
+        return step.compiled(lambda loss: torch.compile(loss, dynamic=False, mode=mode))
+    return step.compiled(lambda loss: with_dynamic_width(torch.compile(loss, dynamic=None, mode=mode)))
 
 
 def graphs_built() -> int:
@@ -209,32 +340,19 @@ def graphs_built() -> int:
 
 
 @contextmanager
-def bounded_graphs(shapes: int) -> Iterator[None]:
-    """Inside the block, a compiled function that needs more than `shapes` + 1 graphs raises (dynamo's default is to
-    fall back to eager silently after 8); the error names the count and what to do."""
+def bounded_graphs(graphs: int) -> Iterator[None]:
+    """Inside the block, a compiled function that needs more than `graphs` + 1 graphs raises (dynamo's default is to
+    fall back to eager silently after 8); the error names the count and what to do. `graphs` is the run's batch
+    shapes: a dynamic width needs one graph (two when the row count varies too), and a model that specializes the
+    width one per shape, as a static compile does."""
     import torch._dynamo
 
-    limit = shapes + 1
+    limit = graphs + 1
     try:
         with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
             yield
     except torch._dynamo.exc.FailOnRecompileLimitHit as err:
         raise CompileError(
-            f"compile: the step needed more than {limit} graphs for its {shapes} batch shapes (the first line of "
-            f"torch's reason: {str(err).splitlines()[0] if str(err) else type(err).__name__}); set compile: false"
+            f"compile: the step needed more than {limit} graphs where its batch shapes need {graphs} (the first line "
+            f"of torch's reason: {str(err).splitlines()[0] if str(err) else type(err).__name__}); set compile: false"
         ) from None
-
-
-def warm(step: TrainStep, batches: list[Batch], units: list[float]) -> None:
-    """Compile (and on CUDA record) the step for each batch's shape: forward and backward, twice (cudagraph trees
-    record on a shape's second call), then the gradients are dropped; no weight or optimizer state changes."""
-    runs = 2 if step.runtime.device.type == "cuda" else 1
-    for batch, unit in zip(batches, units, strict=True):
-        for _ in range(runs):
-            step.backward(batch, unit)
-            step.optimizer.zero_grad(set_to_none=True)
-
-
-def row_units(rows: list[int], units: np.ndarray | None) -> float:
-    """A batch's loss units (rows when None): what its warm-up loss is divided by (any positive number would do)."""
-    return float(len(rows) if units is None else units[rows].sum()) or 1.0

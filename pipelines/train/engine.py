@@ -71,10 +71,12 @@ def train_model(
     task = task or _named_task(params)
     train = task.training_split(train, params, model)  # packs, with data.packing (a trial packs in its setup)
     runtime = replace(resolve_runtime(params, device, pad_id, precision), loss=resolve_loss(model, params, task))
-    params, runtime, choice = resolve_compile(params, runtime, train, task, compile_prediction)
+    params, runtime, choice = resolve_compile(params, runtime, train, task, model, compile_prediction)
     result = run_training(model, train, validation, params, runtime, on_log=on_log, on_epoch_end=on_epoch_end,
                           checkpoint_dir=checkpoint_dir, say=say, task=task)  # fmt: skip
     result.notes["compile.resolved"] = choice.tag()
+    if choice.enabled and choice.predicted_s is not None:
+        result.metrics["predicted_compile_time_s"] = choice.predicted_s
     return result
 
 

@@ -26,7 +26,8 @@ from pipelines.errors import UserError
 from pipelines.params import Params
 from pipelines.runtime import Runtime
 from pipelines.train.checkpoint import LoopState, find_resumable, restore, save_checkpoint
-from pipelines.train.compiled_step import batches_by_shape, bounded_graphs, compile_step, graphs_built, row_units, warm
+from pipelines.train.compile_warmup import compile_and_warm, row_units
+from pipelines.train.compiled_step import batches_by_shape, bounded_graphs, graphs_built
 from pipelines.train.measurement import TrainingMeter, probe_memory, rng_preserved
 from pipelines.train.memory import MemoryAtPeak, gradient_bytes, track_step
 from pipelines.train.memory_levers import apply_memory_levers
@@ -142,6 +143,7 @@ class Trainer:
             planned = [rows for e in range(params.epochs) for rows in self.sampler.batches(e)]
             self.shape_batches = batches_by_shape(make_collator(train, params, runtime, task), planned)
         self.graphs = {"compile_graphs": 0.0, "compile_graphs_in_loop": 0.0}
+        self.compile_notes: dict[str, str] = {}
 
     def run(self, setup_start: float) -> tuple[dict[str, float], LoopState, dict[str, str]]:
         """Train every epoch; the final metrics (reduced across ranks), the loop's state, and notes for the run."""
@@ -158,7 +160,7 @@ class Trainer:
             gather_full_weights(self.model, self.whole, self.rank, self.device)
         if self.world_size > 1:
             metrics = reduce_final_metrics(metrics, self.device)
-        return metrics, self.state, self.runtime.notes()
+        return metrics, self.state, {**self.runtime.notes(), **self.compile_notes}
 
     def start(self, setup_start: float) -> None:
         """Measure memory on the first window, resume from a checkpoint, wrap the model, start the clocks.
@@ -197,16 +199,16 @@ class Trainer:
 
     def compile_and_warm(self) -> None:
         """Compile the step and run it on one batch of each of the run's shapes, on its own clock
-        (`compile_time_s`), before any timed step; the gradients are dropped and the random state put back."""
-        self.train_step = compile_step(self.train_step)
+        (`compile_time_s`), before any timed step, the optimizer's state alive (`pipelines.train.compile_warmup`);
+        the gradients are dropped and the random state put back. The recording's CUDA peak counts as training's."""
         loader = make_loader(self.train, self.shape_batches, in_process(self.params), self.runtime, self.task)
         batches = [to_device(batch, self.device) for batch in loader]
-        before = graphs_built()
+        units = [row_units(rows, self.units) for rows in self.shape_batches]
         with self.meter.region("compile_time_s"), rng_preserved(self.device):
-            warm(self.train_step, batches, [row_units(rows, self.units) for rows in self.shape_batches])
-        self.graphs["compile_graphs"] = float(graphs_built() - before)
-        self.say(f"compile: {len(self.shape_batches)} batch shapes warmed ({graphs_built() - before} graphs) in "
-                 f"{self.state.clocks['compile_time_s']:.1f} s, widths {self.runtime.padding}")  # fmt: skip
+            self.train_step, warmed = compile_and_warm(self.train_step, batches, units, self.say)
+        self.meter.keep_cuda_peaks()
+        self.graphs.update(warmed.metrics)
+        self.compile_notes = warmed.notes
 
     def measure_memory(self) -> MemoryAtPeak | None:
         """Peak training memory and its breakdown from two runs of the first window; the weights are then put back."""

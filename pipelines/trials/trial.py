@@ -20,11 +20,11 @@ from pipelines.errors import UserError
 from pipelines.host_load import HostLoad
 from pipelines.params import Params, apply_overrides
 from pipelines.recipe import PARAMS_FILE, Trial, train_and_save
+from pipelines.tracking.environment import environment_tags
 from pipelines.tracking.lineage import log_datasets
 from pipelines.tracking.mlflow_model import model_logger
 from pipelines.tracking.runs import (
     RunLogger,
-    environment_tags,
     leave_retries_to_run_logger,
     log_params,
     quiet_mlflow_info,

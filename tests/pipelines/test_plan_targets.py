@@ -213,7 +213,8 @@ def test_plan_targets_gives_a_verdict_and_the_fastest_fitting_config_per_card(de
     from pipelines.resolve.plan_report import plan_targets, target_table
 
     variants = {"vanilla": {}}
-    settings = {"data.generator.num_rows": 300, "tune.variants": variants, "batch_size": 8}
+    # fp32 as written (the default, auto, resolves per card: fp16 on a T4, bf16 on an H100).
+    settings = {"data.generator.num_rows": 300, "tune.variants": variants, "batch_size": 8, "precision": "fp32"}
     params = tiny_params(default_params, **settings)
     prepare_dataset(params, tmp_path, tmp_path / "tokenized")
     targets = [target_named("T4"), target_named("H100-80GB")]

@@ -1,0 +1,111 @@
+"""The compile cache, as a run meets it: one compile for every padded width, the fingerprint's hit and miss predicted
+right both ways (and the lr not part of it), a Mega-Cache blob loaded into an empty cache, and the optimizer's state
+alive when the step is warmed (on CUDA: recorded)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import pipelines.train.compile_warmup as compile_warmup
+from pipelines.train.compile_cache import BLOBS, CompileCache
+from pipelines.train.compiled_step import CompilePrediction
+from pipelines.train.engine import TrainResult, train_model
+from tests.conftest import tiny_params
+from tests.pipelines.train.helpers import tiny_model, tiny_split
+
+CPU = torch.device("cpu")
+# Any prediction: the test reads which case (cold, warm) the run assumed, not the seconds.
+PREDICTION = CompilePrediction(eager_step_s=0.05, compiled_step_s=0.03, compile_s=30.0, warm_compile_s=5.0,
+                               blob_compile_s=20.0, shape_s=0.05)  # fmt: skip
+
+
+def compiled_run(default_params: Any, cache: Path, dropout: float = 0.0, lr: float = 3e-3) -> TrainResult:
+    """One bucketed epoch (160 rows of 4-39 tokens, batch 16: every batch full), compiled, in `cache`."""
+    params = tiny_params(default_params, epochs=1, batch_size=16, lr=lr, log_every_n_steps=1, warmup_ratio=0.0,
+                         compile=True, precision="fp32")  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+        return train_model(tiny_model(dropout=dropout), tiny_split(rows=160, seed=3), None, params, pad_id=0,
+                           device=CPU, precision="fp32", compile_prediction=PREDICTION, say=lambda _: None)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(default_params, tmp_path_factory) -> dict[str, Any]:
+    """Cold in an empty cache (its warm-up watched), the same again (warm), the lr changed (warm), dropout changed
+    (cold), and the first run's blob alone in a fresh folder."""
+    cache = tmp_path_factory.mktemp("inductor")
+    watched: list[dict[str, int]] = []
+    real_warm = compile_warmup.warm
+
+    def watching_warm(step, batches, units):
+        trained = [p for p in step.model.parameters() if p.requires_grad]
+        watched.append({"trained": len(trained), "with_state": sum(1 for p in trained if "exp_avg" in
+                                                                    step.optimizer.state.get(p, {}))})  # fmt: skip
+        real_warm(step, batches, units)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compile_warmup, "warm", watching_warm)
+        cold = compiled_run(default_params, cache)
+    out = {"cold": cold, "watched": watched, "cache": cache}
+    out["warm"] = compiled_run(default_params, cache)
+    out["other_lr"] = compiled_run(default_params, cache, lr=1e-2)
+    out["other_dropout"] = compiled_run(default_params, cache, dropout=0.1)
+    fresh = tmp_path_factory.mktemp("fresh")
+    (fresh / BLOBS).mkdir()
+    key = cold.notes["compile.fingerprint"]
+    shutil.copyfile(CompileCache(cache).blob(key), fresh / BLOBS / f"{key}.bin")
+    out["fresh_holds"] = CompileCache(fresh).holds(key)
+    out["blob"] = compiled_run(default_params, fresh)
+    return out
+
+
+def test_a_bucketed_epoch_compiles_once_and_warms_every_width(runs):
+    cold = runs["cold"]
+    widths = cold.notes["pad_widths.resolved"].split(",")
+    m = cold.metrics
+    # The run's batches come in 3 or more widths; each was warmed (on CUDA: recorded) before the clocks, and all of
+    # them share one compiled graph (a dynamic width), not one graph per width.
+    assert 3 <= m["compile_shapes"] <= len(widths), (m["compile_shapes"], widths)
+    assert m["compile_graphs"] == 1, m
+    assert m["compile_graphs_in_loop"] == 0
+
+
+def test_the_fingerprints_hit_and_miss_are_predicted_right_both_ways(runs):
+    cold, warm = runs["cold"], runs["warm"]
+    assert cold.notes["compile.resolved"].endswith(", cold)")
+    assert cold.metrics["compile_cache_misses"] > 0 and cold.metrics["compile_cache_hits"] == 0
+    assert cold.metrics["predicted_compile_time_s"] == pytest.approx(30.0 + 0.05 * cold.metrics["compile_shapes"])
+    assert CompileCache(runs["cache"]).holds(cold.notes["compile.fingerprint"]) == "cache"
+    # The same run again: predicted warm, and every graph came from the cache.
+    assert warm.notes["compile.resolved"].endswith(", warm (from the cache))")
+    assert warm.metrics["compile_cache_hits"] > 0 and warm.metrics["compile_cache_misses"] == 0
+    # The lr lives in the optimizer, outside the graph: same fingerprint, predicted warm, all hits.
+    other_lr = runs["other_lr"]
+    assert other_lr.notes["compile.fingerprint"] == cold.notes["compile.fingerprint"]
+    assert other_lr.notes["compile.resolved"].endswith("warm (from the cache))")
+    assert other_lr.metrics["compile_cache_misses"] == 0
+    # Dropout's p is baked into the graph: a new fingerprint, predicted cold, and Inductor compiled anew.
+    other = runs["other_dropout"]
+    assert other.notes["compile.fingerprint"] != cold.notes["compile.fingerprint"]
+    assert other.notes["compile.resolved"].endswith(", cold)")
+    assert other.metrics["compile_cache_misses"] > 0
+
+
+def test_a_blob_alone_fills_an_empty_cache(runs):
+    assert runs["fresh_holds"] == "blob"
+    blob = runs["blob"]
+    assert blob.notes["compile.resolved"].endswith("warm (from the blob))")
+    assert blob.metrics["compile_blob_loaded"] == 1
+    assert blob.metrics["compile_cache_hits"] > 0 and blob.metrics["compile_cache_misses"] == 0
+
+
+def test_the_optimizer_state_exists_when_the_step_is_warmed(runs):
+    # On CUDA the warm-up records the graphs, the allocator's last look at the step: the state must be alive then.
+    (watched,) = runs["watched"]
+    assert watched["trained"] > 0 and watched["with_state"] == watched["trained"], watched
+    assert runs["cold"].notes["compile.state_before_recording"] == "true"
