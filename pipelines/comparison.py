@@ -245,21 +245,36 @@ def noise_mark(column: Column, group: VariantGroup, baseline: VariantGroup) -> s
 UNDER_LOAD = " †"
 
 
+def _shared_card(row: TrialRow) -> bool:
+    return row.metrics.get("card_sharing", 1.0) > 1  # packed onto a card with other trials (gpu: auto)
+
+
+def _loaded(row: TrialRow) -> bool:
+    return is_under_load(row.metrics.get("host_load_mean"), row.metrics.get("host_cores")) or _shared_card(row)
+
+
 def under_load(group: VariantGroup) -> bool:
-    """Whether any of a group's trials ran with more runnable threads than usable cores (its times are slowed)."""
-    return any(is_under_load(r.metrics.get("host_load_mean"), r.metrics.get("host_cores")) for r in group.rows)
+    """Whether any of a group's trials ran with more runnable threads than usable cores, or on a card shared with
+    other trials (its times are slowed)."""
+    return any(_loaded(r) for r in group.rows)
 
 
 def load_note(rows: list[TrialRow]) -> str | None:
-    """Name the trials whose times were taken under load, with the load, so no one compares them as quiet."""
-    loaded = [r for g in group_rows(rows) if under_load(g) for r in g.rows]
+    """Name the trials whose times were taken under load or on a shared card, so no one compares them as quiet."""
+    loaded = [r for g in group_rows(rows) if under_load(g) for r in g.rows if _loaded(r)]
     if not loaded:
         return None
-    each = ", ".join(f"{r.name}: load {r.metrics['host_load_mean']:.1f} on {r.metrics['host_cores']:.0f} cores"
-                     for r in loaded)  # fmt: skip
+
+    def why(row: TrialRow) -> str:
+        parts = [f"card shared by {row.metrics['card_sharing']:.0f} trials"] if _shared_card(row) else []
+        if is_under_load(row.metrics.get("host_load_mean"), row.metrics.get("host_cores")):
+            parts.insert(0, f"load {row.metrics['host_load_mean']:.1f} on {row.metrics['host_cores']:.0f} cores")
+        return f"{row.name}: {', '.join(parts)}"
+
     return (
-        f"†: timed under load ({each}): the host had more runnable threads than cores, so these times are "
-        "slower than the same run on a quiet host; compare them only with times taken under a like load."
+        f"†: timed under load ({', '.join(why(r) for r in loaded)}): the host had more runnable threads than cores, "
+        "or the trial shared its card with others, so these times are slower than the same run alone on a quiet "
+        "host; compare them only with times taken under a like load."
     )
 
 

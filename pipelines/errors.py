@@ -20,8 +20,18 @@ def warn_user(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
-def run_cli(main: Callable[[], None]) -> None:
-    """Run a stage's `main`, turning a `UserError` into a one-paragraph message and exit code 1."""
+def run_cli(main: Callable[[], None], arguments: bool = False) -> None:
+    """Run a stage's `main`, turning a `UserError` into a one-paragraph message and exit code 1.
+
+    A stage takes no arguments unless `arguments` (its `main` parses its own): `--help` is answered and anything
+    else refused before `main` runs, so neither starts Ray, opens a run or writes a file
+    (`pipelines.stage_help`)."""
+    if not arguments:
+        from pipelines.stage_help import parse_stage_arguments
+
+        module = sys.modules[main.__module__]
+        spec = getattr(module, "__spec__", None)
+        parse_stage_arguments(spec.name if spec else main.__module__, module.__doc__, sys.argv[1:])
     try:
         main()
     except UserError as err:

@@ -6,7 +6,7 @@ results, and it never imports the engine (`pipelines.recipe`), which only the tr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ class TrialContext:
     scheduler: str
     tokenize_stats: dict[str, float]
     progress_bars: bool = False  # the driver's stdout is a terminal: draw a bar per trial
+    card_sharing: dict[str, int] = field(default_factory=dict)  # variant -> trials to a card (gpu: auto), else none
 
     @property
     def fallback_dir(self) -> Path:

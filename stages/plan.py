@@ -14,6 +14,7 @@ from pathlib import Path
 from pipelines.atomic import atomic_write_json
 from pipelines.errors import run_cli
 from pipelines.params import Params, load_params, resolve_repo_root
+from pipelines.stage_help import description
 
 TOKENIZED = Path("data/tokenized")
 METRICS = Path("metrics/plan.json")
@@ -33,7 +34,7 @@ def _targets(params: Params, named: list[str]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m stages.plan", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m stages.plan", description=description(__doc__))
     parser.add_argument("--target", action="append", default=[], help="cpu or a GPU profile (repeatable)")
     args = parser.parse_args()
     params = load_params()
@@ -48,4 +49,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    run_cli(main, arguments=True)

@@ -65,8 +65,11 @@ class ResourcesParams(StrictModel):
     cpu: PositiveFloat | None = Field(
         description="CPUs per trial (per worker with distributed.num_workers > 1); null: an even share of the cores."
     )
-    gpu: NonNegativeFloat | None = Field(
-        description="GPUs per trial (fractions share a GPU); null: 1 with CUDA, else 0."
+    gpu: NonNegativeFloat | Literal["auto"] | None = Field(
+        description="GPUs per trial (fractions share a GPU). auto: where the Ray cluster has GPUs, each trial the "
+        "share of one card its variant's memory plan needs (planned peak + the process's reserve; at most "
+        "max_concurrent_trials to a card; a whole card when it cannot share; refused when it does not fit), else 0. "
+        "null: 1 with CUDA, else 0."
     )
 
 

@@ -127,6 +127,18 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
     tune.report({**metrics, "mlflow_run_id": run_id, "variant": variant, FINAL_KEY: 1})
 
 
+def card_tags(context: TrialContext, variant: str) -> dict[str, str]:
+    """How many trials of this variant share one card (`gpu: auto`) and Ray's GPU share, as tags."""
+    sharing = context.card_sharing.get(variant)
+    if sharing is None:
+        return {}
+    import ray
+
+    assigned = ray.get_runtime_context().get_assigned_resources().get("GPU")  # what Ray actually gave this trial
+    return {"card.sharing": str(sharing), "card.gpu_share": f"{1.0 if sharing == 1 else 1.0 / sharing:.4g}",
+            "card.ray_gpu": "none" if assigned is None else f"{assigned:.4g}"}  # fmt: skip
+
+
 def trial_params(
     config: dict[str, Any], context: TrialContext, variant: str, logger: RunLogger, rss_reset: bool
 ) -> Params:
@@ -140,6 +152,7 @@ def trial_params(
     logger.log_tags(
         {
             **environment_tags(),
+            **card_tags(context, variant),
             "overrides": json.dumps(overrides, sort_keys=True),
             "peak_rss": "reset at trial start" if rss_reset else "process lifetime (no /proc/self/clear_refs)",
         }
@@ -147,4 +160,6 @@ def trial_params(
     client.log_text(run_id, json.dumps(params.model_dump(mode="json"), indent=2), PARAMS_FILE)
     log_datasets(client, run_id, params.data, Path(context.root), Path(context.tokenized_dir))
     logger.log_dict(context.tokenize_stats)
+    if variant in context.card_sharing:  # a metric too, so the runs table and the report can sort and mark by it
+        logger.log_dict({"card_sharing": float(context.card_sharing[variant])})
     return params

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from pipelines.tracking.runs import (
 )
 from pipelines.tracking.status import RUNS_VIEW_TAG, ended_run, log_best_on_parent, runs_view, stopped_tags
 from pipelines.trial_context import FINAL_KEY, REPEAT_KEY, TrialContext
+from pipelines.trials.card_share import gpu_shares, shared_resources
 from pipelines.trials.ray_cluster import init_ray, tune_console
 
 BEST_DIR = "best"
@@ -139,8 +141,9 @@ def trial_resources(params: Params, cpus: int) -> dict[str, float]:
     declared = params.tune.resources_per_trial
     cpu = declared.cpu or max(1, cpus // params.tune.max_concurrent_trials)
     trains_on_cuda = params.device != "cpu" and torch.cuda.is_available()  # device: cpu holds no GPU back
-    gpu = declared.gpu if declared.gpu is not None else (1.0 if trains_on_cuda else 0.0)
-    return {"cpu": cpu, "gpu": gpu}
+    # gpu: auto's shares are planned once Ray is up (pipelines.trials.card_share); without them, as null.
+    gpu = declared.gpu if declared.gpu not in (None, "auto") else (1.0 if trains_on_cuda else 0.0)
+    return {"cpu": cpu, "gpu": float(gpu)}
 
 
 def worker_threads(params: Params, cpus: int) -> int:
@@ -216,7 +219,11 @@ def run_tuning(
 
     with ended_run(close):
         init_ray(local_ray_cpus(params, cpus), ray_address(params))
-        tuner = build_tuner(params, context, resources, objective, root)
+        shares = gpu_shares(params, root, tokenized_dir)  # gpu: auto on a cluster with GPUs: trials packed by plan
+        if shares is not None:
+            context = replace(context, card_sharing={variant: share.sharing for variant, share in shares.items()})
+        placed = resources if shares is None else shared_resources(resources["cpu"], shares)
+        tuner = build_tuner(params, context, placed, objective, root)
         with tune_console(tune_verbosity(params)):
             results = tuner.fit()
         summary = _summarize(results, params, parent_run_id, experiment_id, tracking_uri)
@@ -239,7 +246,7 @@ def run_tuning(
 
 
 def build_tuner(
-    params: Params, context: TrialContext, resources: dict[str, float], objective: tuple[str, str], root: Path
+    params: Params, context: TrialContext, resources: dict[str, float] | Any, objective: tuple[str, str], root: Path
 ) -> Any:
     """The Tuner of every trial: seeded sampling, its scheduler, a fresh process per trial, Tune's result files."""
     from ray import tune

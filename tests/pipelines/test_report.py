@@ -320,6 +320,18 @@ def test_times_taken_under_load_are_marked_and_the_load_is_named(tmp_path: Path)
     assert "†: timed under load (fast: load 3.4 on 2 cores)" in markdown
 
 
+def test_times_taken_on_a_shared_card_are_marked_with_the_count(tmp_path: Path):
+    client, experiment_id, parent = make_store(tmp_path)
+    fast = next(r for r in client.search_runs([experiment_id]) if r.info.run_name == "fast")
+    client.log_metric(fast.info.run_id, "card_sharing", 4.0)  # gpu: auto packed it with 3 other trials
+    out = tmp_path / "reports"
+    out.mkdir()
+    markdown = build_report(client, experiment_id, parent, out)
+    rows = {line.split(" | ")[0].strip("| "): line for line in markdown.splitlines() if line.startswith("| ")}
+    assert "30.0 s † (50%)" in rows["fast"] and "†" not in rows["vanilla"]
+    assert "†: timed under load (fast: card shared by 4 trials)" in markdown
+
+
 def test_a_one_variant_run_is_compared_with_the_last_commits_best_trial(tmp_path: Path):
     client, experiment_id, parent = make_store(tmp_path)
     before = next(r for r in client.search_runs([experiment_id]) if r.info.run_name == "vanilla")
