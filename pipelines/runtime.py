@@ -267,9 +267,7 @@ class Runtime:
                 **({"pad_widths.resolved": self.widths.describe()} if self.widths is not None else {})}  # fmt: skip
 
 
-def resolve_runtime(
-    params: Params, device: torch.device, pad_id: int, precision: str | None = None
-) -> Runtime:
+def resolve_runtime(params: Params, device: torch.device, pad_id: int, precision: str | None = None) -> Runtime:
     """The runtime for `params` on `device`; `precision` when already resolved (else `params.precision`'s; `auto`
     either way is the device's pick)."""
     # "auto" resolved here too: callers that pass `params.precision` as it is set get the device's pick.
