@@ -13,13 +13,19 @@ from typing import Any
 WORKER_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 
+def worker_env() -> dict[str, str]:
+    """The trials' environment: WORKER_ENV, and MLflow's telemetry off unless the driver's user set it
+    (`pipelines.tracking` says why)."""
+    return {**WORKER_ENV, "MLFLOW_DISABLE_TELEMETRY": os.environ.get("MLFLOW_DISABLE_TELEMETRY", "true")}
+
+
 def init_ray(num_cpus: int, address: str | None) -> None:
     """Join the cluster at `address`, else start a local one sized to this machine, dashboard off."""
     import ray
 
     if ray.is_initialized():
         return
-    runtime_env = {"env_vars": WORKER_ENV}
+    runtime_env = {"env_vars": worker_env()}
     if address:
         use_cluster_token()
         ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)

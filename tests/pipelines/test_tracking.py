@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,22 @@ def test_the_headline_metrics_are_listed_first_and_keep_their_measured_values(tm
     assert [m.key for m in run.data._metric_objs][:3] == list(headline)
     assert headline[0] == get_task(task).quality[0].metric
     assert {key: run.data.metrics[key] for key in headline} == measured  # NaN only until measured
+
+
+@pytest.mark.parametrize(("users", "expected"), [(None, "true"), ("false", "false")])
+def test_mlflow_telemetry_is_off_in_our_processes_unless_the_user_set_it(users, expected, monkeypatch):
+    import subprocess
+    import sys
+
+    from pipelines.trials.ray_cluster import worker_env
+
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_DISABLE_TELEMETRY"}
+    if users is not None:
+        env["MLFLOW_DISABLE_TELEMETRY"] = users
+    probe = "import os, pipelines.tracking.runs; print(os.environ['MLFLOW_DISABLE_TELEMETRY'])"
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == expected  # the driver and every process that imports our tracking
+    monkeypatch.delenv("MLFLOW_DISABLE_TELEMETRY", raising=False)
+    if users is not None:
+        monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", users)
+    assert worker_env()["MLFLOW_DISABLE_TELEMETRY"] == expected  # Ray's trial workers
