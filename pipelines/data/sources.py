@@ -7,6 +7,7 @@ fail on user data does so here, naming the file, column or value.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -101,6 +102,18 @@ def read_source(data: DataParams, root: Path, task: Task) -> dict[str, pd.DataFr
             raise DataError(f"data.source = {data.source!r}: file not found ({path})")
         return {"train": _read_table(path, data.csv_columns)}
     return _load_hub(data.source)
+
+
+def rows_named(positions: Sequence[int], shown: int = 5) -> str:
+    """Which rows of a source (0-based positions) a refusal means: their count, the first few counted from 1 after
+    the header, and the CSV lines those are where no field holds a line break (the header is line 1)."""
+    first = [int(p) + 1 for p in positions[:shown]]
+    more = f" and {len(positions) - shown} more" if len(positions) > shown else ""
+    rows = ", ".join(map(str, first))
+    lines = ", ".join(str(r + 1) for r in first)
+    noun = "row" if len(positions) == 1 else "rows"
+    return (f"{len(positions)} {noun}: {rows}{more}, counted from 1 after the header (lines {lines}{more} of a CSV "
+            "whose fields hold no line breaks)")  # fmt: skip
 
 
 def check_columns(table: pd.DataFrame, wanted: list[str], where: str) -> None:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipelines.data.batching import PadCollator, Padding
-from pipelines.data.sources import DataError, check_columns
+from pipelines.data.sources import DataError, check_columns, rows_named
 from pipelines.data.synthetic import generate_corpus
 from pipelines.data.tokenization import (
     LABELS_FILE,
@@ -43,12 +43,12 @@ def normalize_table(table: pd.DataFrame, data: DataParams, where: str) -> pd.Dat
     texts = table[_text_columns(data)].astype(str)
     empty = (texts.apply(lambda col: col.str.strip() == "")).all(axis=1)
     if empty.any():
-        row = int(empty.to_numpy().nonzero()[0][0])
-        raise DataError(f"{where}: row {row} has an empty text in {_text_columns(data)}; drop or fill such rows")
+        rows = rows_named(empty.to_numpy().nonzero()[0])
+        raise DataError(f"{where}: empty text in {_text_columns(data)} in {rows}; drop or fill such rows")
     labels = table[data.label_column]
     if labels.isna().any() or (labels.astype(str).str.strip() == "").any():
-        row = int((labels.isna() | (labels.astype(str).str.strip() == "")).to_numpy().nonzero()[0][0])
-        raise DataError(f"{where}: row {row} has no label in column {data.label_column!r}")
+        rows = rows_named((labels.isna() | (labels.astype(str).str.strip() == "")).to_numpy().nonzero()[0])
+        raise DataError(f"{where}: no label in column {data.label_column!r} in {rows}")
     return pd.DataFrame({"texts": list(texts.itertuples(index=False, name=None)), "label": labels.astype(str)})
 
 

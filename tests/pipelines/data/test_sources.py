@@ -130,7 +130,16 @@ def test_non_utf8_bytes(tmp_path, default_params):
 
 def test_empty_text_row(tmp_path, default_params):
     (tmp_path / "d.csv").write_text("text,label\nfine,a\n   ,b\nalso fine,a\n")
-    expect_error(tmp_path, default_params, r"row 1 has an empty text", **{"data.source": "d.csv"})
+    expect_error(tmp_path, default_params, r"empty text in \['text'\] in 1 row: 2, counted from 1 after the header "
+                 r"\(lines 3 of a CSV", **{"data.source": "d.csv"})  # fmt: skip
+
+
+def test_twelve_empty_texts_are_counted_and_the_first_lines_named(tmp_path, default_params):
+    lines = ["text,label"] + [("" if i % 3 == 1 else f"row {i}") + ",a" for i in range(36)]
+    (tmp_path / "d.csv").write_text("\n".join(lines) + "\n")
+    # Rows 2, 5, 8, ... (counted from 1 after the header) are empty: 12 of them, on lines 3, 6, 9, ...
+    expect_error(tmp_path, default_params, r"in 12 rows: 2, 5, 8, 11, 14 and 7 more, counted from 1 after the header "
+                 r"\(lines 3, 6, 9, 12, 15 and 7 more of a CSV", **{"data.source": "d.csv"})  # fmt: skip
 
 
 def test_unreachable_hub_dataset_offline(tmp_path, default_params, monkeypatch):
