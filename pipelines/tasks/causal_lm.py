@@ -19,7 +19,7 @@ from torch import nn
 from pipelines.data.batching import PadCollator, Padding
 from pipelines.data.loader import eval_batch_rows
 from pipelines.data.packing import IGNORE, PackedSplit, check_isolation, pack_split, packed_targets
-from pipelines.data.sources import DataError, check_columns
+from pipelines.data.sources import DataError, check_columns, rows_named
 from pipelines.data.synthetic import generate_instructions
 from pipelines.data.tokenization import TokenizedSplit, train_causal_word_tokenizer
 from pipelines.errors import UserError
@@ -199,7 +199,7 @@ class CausalLmTask(GenerationTask):
             out["response"] = out["response"].astype(str)
             empty = (out["response"].str.strip() == "").to_numpy()
             if empty.any():
-                raise DataError(f"{where}: row {int(empty.nonzero()[0][0])} has an empty {columns['response']!r}")
+                raise DataError(f"{where}: empty {columns['response']!r} in {rows_named(empty.nonzero()[0])}")
         return out
 
     def tokenizer_corpus(self, train: pd.DataFrame) -> list[str]:
