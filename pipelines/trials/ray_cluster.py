@@ -32,17 +32,49 @@ def init_ray(num_cpus: int, address: str | None) -> None:
     else:
         # "local": always a new cluster of our own. Without it ray.init joins whatever cluster
         # /tmp/ray/ray_current_cluster names: another user's `ray start`, or one killed without cleanup.
-        ray.init(
-            address="local",
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            log_to_driver=True,
-            configure_logging=False,
-            runtime_env=runtime_env,
-            # Ray prestarts one idle worker per CPU for the first driver's tasks; trials are actors and start their
-            # own, so those sat idle: 80 MB RSS and ~0.6 CPU-s each per train stage, measured on 2 cores.
-            _system_config={"prestart_worker_first_driver": False},
-        )
+        with quiet_token_notice():
+            start_local_ray(num_cpus, runtime_env)
+
+
+def start_local_ray(num_cpus: int, runtime_env: dict[str, object]) -> None:
+    """A new local Ray cluster of our own, sized to `num_cpus`, dashboard off."""
+    import ray
+
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        log_to_driver=True,
+        configure_logging=False,
+        runtime_env=runtime_env,
+        # Ray prestarts one idle worker per CPU for the first driver's tasks; trials are actors and start their
+        # own, so those sat idle: 80 MB RSS and ~0.6 CPU-s each per train stage, measured on 2 cores.
+        _system_config={"prestart_worker_first_driver": False},
+    )
+
+
+# Ray 2.5x logs this on every local start where a token exists (~/.ray/auth_token), token auth staying on: a
+# notice about our own private cluster that a user cannot act on, printed on every train stage.
+TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+@contextlib.contextmanager
+def quiet_token_notice() -> Iterator[None]:
+    """Drop Ray's token-auth notice while a local cluster starts (RAY_LOG_TOKEN_NOTICE=1 keeps it)."""
+    import logging
+
+    def drop(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(TOKEN_NOTICE)
+
+    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if os.environ.get("RAY_LOG_TOKEN_NOTICE") == "1":
+        yield
+        return
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 def use_cluster_token() -> None:
