@@ -79,7 +79,8 @@ class TrialProgress:
 
     def on_epoch_end(self, epoch: int, step: int, metrics: dict[str, float]) -> str:
         """Say (and return) the epoch's summary line."""
-        parts = [f"epoch {epoch}/{self.epochs}", f"step {step}/{self.total or '?'}", f"loss {self.loss:.4f}"]
+        parts = [f"epoch {epoch}/{self.epochs}", f"step {step}/{self.total or '?'}"]
+        parts += [f"loss {self.loss:.4f}"] if self.loss == self.loss else []  # none until a log point gives one
         parts += [f"{k} {v:.4f}" for k, v in metrics.items() if not k.endswith("_s")]
         rate = self.epoch_rate()
         if rate == rate:  # not NaN

@@ -351,6 +351,9 @@ class Trainer:
     def end_epoch(self, epoch: int) -> None:
         """Validate (on its own clock), step a per-epoch schedule, checkpoint, and tell the caller."""
         state = self.state
+        if state.logged_windows:  # steps since the last log point: the epoch's line shows their loss, not none
+            self.log_point(epoch)
+            self.meter.clock.read_laps()
         self.meter.pause()
         if self.validation is not None:
             with self.meter.region("val_time_s"):

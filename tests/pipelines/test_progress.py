@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from pipelines.progress import TrialProgress
@@ -75,3 +77,17 @@ def test_the_engine_logs_when_30_seconds_pass_without_a_log_point(default_params
     train_model(tiny_model(), tiny_split(rows=96), None, params, pad_id=0, device=torch.device("cpu"),
                 precision="fp32", on_log=lambda step, point: steps.append(step), say=lambda _: None)  # fmt: skip
     assert steps == list(range(1, 7))  # 96 rows / 16: six steps, each logged although log_every_n_steps is 1000
+
+
+def test_the_first_epoch_line_of_a_small_run_has_a_real_loss_and_the_total_steps(default_params):
+    # 96 rows at batch 16: 6 steps an epoch, fewer than log_every_n_steps; the epoch's end is a log point.
+    params = tiny_params(default_params, epochs=2, batch_size=16, log_every_n_steps=10)
+    lines: list[str] = []
+    progress = TrialProgress(epochs=2, say=lines.append, make_bar=None)
+    train_model(
+        tiny_model(), tiny_split(rows=96), None, params, pad_id=0, device=torch.device("cpu"), precision="fp32",
+        on_log=progress.on_log, on_epoch_end=progress.on_epoch_end, say=lambda _: None,
+    )  # fmt: skip
+    first = lines[0]
+    assert first.startswith("epoch 1/2, step 6/12, loss "), first
+    assert math.isfinite(float(first.split("loss ")[1].split(",")[0]))
