@@ -111,3 +111,30 @@ class TrialProgress:
         self._bar.update(self.step - self._bar.n)
         rate = f"{self.rate:.0f}" if self.rate == self.rate else "?"
         self._bar.set_postfix({"loss": f"{self.loss:.4f}", "samples/s": rate})
+
+
+class RowsProgress:
+    """A long loop over rows (generation, which runs minutes for a language model's test split) says where it is:
+    a line at least every `every_s` seconds with rows done of the total and the time left at the pace so far."""
+
+    def __init__(
+        self,
+        what: str,
+        total: int,
+        say: Callable[[str], None] = print,
+        every_s: float = LINE_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.what, self.total, self.say, self.every_s, self.clock = what, total, say, every_s, clock
+        self.done, self.start = 0, clock()
+        self._last_line = self.start
+
+    def advance(self, rows: int) -> None:
+        """`rows` more are done; a line when `every_s` passed since the last one (or since the start)."""
+        self.done += rows
+        now = self.clock()
+        if now - self._last_line < self.every_s or self.done >= self.total:
+            return
+        self._last_line = now
+        left = (now - self.start) / self.done * (self.total - self.done)
+        self.say(f"{self.what}: {self.done}/{self.total} rows, about {_duration(left)} left")

@@ -22,6 +22,7 @@ from pipelines.data.loader import eval_batch_rows, score_batches
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.noise import wilson_interval
 from pipelines.params import Params
+from pipelines.progress import RowsProgress
 from pipelines.runtime import FULL_LOSS, LossImpl, Runtime, eval_mode
 from pipelines.tasks.answer_plots import answer_plots
 from pipelines.tasks.base import EvaluationResult, Task
@@ -119,6 +120,7 @@ def _greedy_answers(
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     rows = eval_batch_rows(params)
     answers = [""] * len(prompts)
+    progress = RowsProgress("generation", len(prompts))
     for start in range(0, len(order), rows):
         batch = order[start : start + rows]
         width = max(len(prompts[i]) for i in batch)
@@ -139,6 +141,7 @@ def _greedy_answers(
             )
         for row, i in enumerate(batch):
             answers[i] = answer_text(tokenizer, out[row, width:].tolist())
+        progress.advance(len(batch))
     return answers
 
 

@@ -27,6 +27,7 @@ from pipelines.data.synthetic import generate_translations
 from pipelines.data.tokenization import TokenizedSplit, train_causal_word_tokenizer
 from pipelines.noise import wilson_interval
 from pipelines.params import DataParams, ModelParams, Params
+from pipelines.progress import RowsProgress
 from pipelines.runtime import FULL_LOSS, LossImpl, Runtime
 from pipelines.tasks.answer_plots import answer_plots
 from pipelines.tasks.base import Encoded, EvaluationResult, GenerationProbe, QualityMetric
@@ -258,9 +259,11 @@ def translate(
         return out, batch["row_index"].tolist()
 
     answers = [""] * len(split)
+    progress = RowsProgress("generation", len(split))
     for out, rows in score_batches(model, split, params, runtime, task, generate):
         for row, index in enumerate(rows):
             answers[index] = answer_text(tokenizer, out[row, 1:].tolist())  # after the decoder's start token
+        progress.advance(len(rows))
     return answers
 
 

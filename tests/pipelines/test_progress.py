@@ -91,3 +91,19 @@ def test_the_first_epoch_line_of_a_small_run_has_a_real_loss_and_the_total_steps
     first = lines[0]
     assert first.startswith("epoch 1/2, step 6/12, loss "), first
     assert math.isfinite(float(first.split("loss ")[1].split(",")[0]))
+
+
+def test_generation_says_rows_done_and_time_left_at_least_every_30_seconds():
+    from pipelines.progress import RowsProgress
+
+    now = [0.0]
+    lines: list[str] = []
+    progress = RowsProgress("generation", 600, say=lines.append, clock=lambda: now[0])
+    for _ in range(12):  # 50 rows every 10 s: 2 minutes in all
+        now[0] += 10.0
+        progress.advance(50)
+    assert lines == [
+        "generation: 150/600 rows, about 1m30s left",
+        "generation: 300/600 rows, about 1m00s left",
+        "generation: 450/600 rows, about 30s left",
+    ]
