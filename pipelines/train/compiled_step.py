@@ -12,9 +12,10 @@ length histogram (`pipelines.data.batching.width_set`, at most 8) each width sti
 each on an H200. So a compiled run pads every batch to those widths and compiles the step once with the width
 dynamic (`with_dynamic_width`: dim 1 of every batch tensor marked dynamic), then warms one batch of each distinct
 shape of its whole plan (every epoch's batches are known before training) before the clocks start
-(`compile_time_s`): one compile, and on CUDA one recording per width. The graphs are bounded: one, plus one when
-the row count varies as well (a partial last batch), and a step that would need more fails with the reason instead
-of running eager without a word (`recompile_limit`'s silent fallback). A run with one width compiles it static.
+(`compile_time_s`): one compile, and on CUDA one recording per width. The graphs are bounded by the run's batch
+shapes (a model that specializes the width compiles one per shape, as static did), and a step that would need more
+fails with the reason instead of running eager without a word (`recompile_limit`'s silent fallback). A run with one
+width compiles it static.
 Compiled graphs are cached under the project's `.cache/torch/` (Inductor's FX graph and AOTAutograd caches) with a
 manifest and Mega-Cache blobs (`pipelines.train.compile_cache`), so a second trial, experiment or machine with the
 same fingerprint loads them instead of compiling.
@@ -83,7 +84,7 @@ class CompilePrediction:
 
     def case(self) -> str:
         """`cold`, or `warm (from the cache)` / `warm (from a blob)`."""
-        return "cold" if self.found is None else f"warm (from the {'cache' if self.found == 'cache' else 'blob'})"
+        return "cold" if self.found is None else f"warm (from the {self.found})"
 
     def repaid(self, steps: int, shapes: int) -> tuple[bool, str]:
         """Whether `steps` steps repay compiling `shapes` shapes, and the arithmetic that says so."""
