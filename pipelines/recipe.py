@@ -250,7 +250,11 @@ def log_compile_blob(logger: TrialLogger, blob: str | None) -> None:
     with the same torch and device copies it into `.cache/torch/mega/` and loads its graphs instead of compiling."""
     client = getattr(logger, "client", None)
     if client is not None and blob is not None and Path(blob).is_file():
-        client.log_artifact(logger.run_id, blob, "compile_cache")
+        try:
+            client.log_artifact(logger.run_id, blob, "compile_cache")
+        except Exception as err:  # noqa: BLE001 - optional: the blob stays in the local compile cache
+            print(f"the compile cache blob was not sent to the artifact store ({type(err).__name__}); "
+                  f"it stays at {blob}", flush=True)  # fmt: skip
 
 
 def evaluate_and_save(trial: Trial, setup: Setup, resolved: ResolvedTraining, result: TrainResult) -> dict[str, float]:

@@ -43,7 +43,7 @@ def main() -> None:
     # `dvc exp show`'s and `dvc metrics diff`'s one metrics file: quality, then time and memory, first.
     figures = dvc_metrics(params.task, result.metrics, training_figures(client, run_id))
     atomic_write_json(METRICS, figures, sort_keys=False)
-    log_evaluation(client, run_id, result.metrics, [METRICS, PREDICTIONS])
+    log_evaluation(client, run_id, result.metrics, [METRICS, PREDICTIONS], params.tracking.upload_retry_s)
 
 
 if __name__ == "__main__":

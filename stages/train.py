@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 from pipelines.atomic import atomic_dir, atomic_write_json
 from pipelines.errors import run_cli
-from pipelines.params import load_params, resolve_repo_root
+from pipelines.params import Params, load_params, resolve_repo_root
+from pipelines.stage_help import stage_parser
 
 TOKENIZED = Path("data/tokenized")
 TOKENIZE_METRICS = Path("metrics/tokenize.json")
@@ -16,8 +18,35 @@ METRICS = Path("metrics/train.json")
 PLOT = Path("plots/train_loss.json")
 
 
+def arguments() -> argparse.Namespace:
+    """`--help`, or `--resume-upload`; nothing else (DVC runs the stage with params.yaml alone)."""
+    parser = stage_parser("stages.train", __doc__)
+    parser.add_argument(
+        "--resume-upload", action="store_true",
+        help="train nothing: send the models and files that the artifact store refused when this stage last ran "
+        "(each run's `upload.pending` tag), from where they were kept under models/",
+    )  # fmt: skip
+    return parser.parse_args()
+
+
+def resume_upload(params: Params) -> None:
+    """Send what the last train run left pending, and register its best model if that had to wait."""
+    from pipelines.tracking.runs import open_store
+    from pipelines.trials.tuning import register_best_model
+    from pipelines.trials.unsent import resume_upload as send_pending
+
+    client, _ = open_store(params.tracking, resolve_repo_root())
+    uri = client.tracking_uri
+    send_pending(client, OUT_DIR, params.tracking.upload_retry_s, print,
+                 lambda run_id: register_best_model(client, params, run_id, uri))  # fmt: skip
+
+
 def main() -> None:
+    args = arguments()
     params = load_params()
+    if args.resume_upload:
+        resume_upload(params)
+        return
     from pipelines.runtime import check_runtime
     from pipelines.tracking.status import runs_page_line
     from pipelines.trials.tuning import BEST_DIR, best_trial_metrics, run_tuning, tokenize_metrics
@@ -32,4 +61,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    run_cli(main, arguments=True)

@@ -232,6 +232,13 @@ class TrackingParams(StrictModel):
         "`models:/<name>/latest` always takes the input its task serves; null: register nothing.",
     )
 
+    upload_retry_s: float = Field(
+        ge=0,
+        description="How long an artifact upload (a trial's model, its params, the report) is retried with backoff "
+        "when the artifact store fails; then it stays on disk, recorded on its run as `upload.pending`, for "
+        "`python -m stages.train --resume-upload` to send.",
+    )
+
     def registered_model_name(self, task: str) -> str | None:
         """The registered model's name (auto: `<experiment>-<task>`), or None to skip registration."""
         return f"{self.experiment}-{task}" if self.registered_model == "auto" else self.registered_model

@@ -25,6 +25,7 @@ from pipelines.params import Params
 
 MODEL_NAME = "model"  # the logged model's name on its run
 MODEL_URI_TAG = "model_uri"  # the trial run's tag holding its logged model's URI
+EXAMPLES_FILE = "input_examples.json"  # in a trial folder whose model was not sent: its model's input examples
 
 
 def predict_texts(model: Any, tokenizer: Any, params: Params, labels: list[str] | None, texts: list[str]) -> list[str]:
@@ -78,16 +79,23 @@ def save_trial_model(folder: Path, params: Params, examples: list[str], dst: Pat
     return local
 
 
-def upload_trial_model(client: Any, experiment_id: str, run_id: str, local: Path) -> str:
-    """Log a saved model as the run's logged model (MLflow's Models column) with plain client calls; its URI.
+def upload_trial_model(client: Any, experiment_id: str, run_id: str, local: Path, retry_s: float = 0.0) -> str:
+    """Log a saved model as the run's logged model (MLflow's Models column) with plain client calls; its URI. The
+    files' upload is retried for `retry_s`; a model whose files never arrive is marked FAILED, and the error raised.
 
     Client calls, not `mlflow.start_run(run_id=...)`: the fluent API would end the trial's run on exit,
     and leave it on its run stack when the store fails mid-way.
     """
     from mlflow.entities import LoggedModelOutput
 
+    from pipelines.tracking.uploads import with_retries
+
     model = client.create_logged_model(experiment_id, name=MODEL_NAME, source_run_id=run_id)
-    client.log_model_artifacts(model.model_id, str(local))
+    try:
+        with_retries(lambda: client.log_model_artifacts(model.model_id, str(local)), retry_s)
+    except Exception:
+        client.finalize_logged_model(model.model_id, "FAILED")
+        raise
     client.finalize_logged_model(model.model_id, "READY")
     client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step=0)])
     return f"models:/{model.model_id}"
@@ -95,26 +103,31 @@ def upload_trial_model(client: Any, experiment_id: str, run_id: str, local: Path
 
 def log_trial_model(
     client: Any, experiment_id: str, run_id: str, folder: Path, params: Params, examples: list[str], say: Any,
-    timeout_s: float = 120.0,
+    local: str,
 ) -> str | None:  # fmt: skip
-    """Log the trial folder as the run's MLflow model; its URI. The upload is retried with backoff while the
-    store is unreachable (as the run's metrics are); after `timeout_s` the model stays in the trial's folder
-    only, and the log says so (None)."""
+    """Log the trial folder as the run's MLflow model; its URI. The upload is retried with backoff for
+    `tracking.upload_retry_s` (as the run's metrics are); then the model stays in the trial's folder (`local`, with
+    its input examples), recorded as pending on the run, and the log says so (None)."""
+    import json
     import tempfile
-    import time
 
+    from pipelines.tracking.uploads import send_or_defer
+
+    retry_s = params.tracking.upload_retry_s
     with tempfile.TemporaryDirectory() as tmp:
-        local = save_trial_model(folder, params, examples, Path(tmp))
-        deadline, delay = time.monotonic() + timeout_s, 1.0
-        while True:
-            try:
-                return upload_trial_model(client, experiment_id, run_id, local)
-            except Exception as err:  # noqa: BLE001 - any transport or server error: the store may come back
-                if time.monotonic() > deadline:
-                    say(f"could not log the model to MLflow ({type(err).__name__}: {err}); kept in models/ only")
-                    return None
-                time.sleep(delay)
-                delay = min(2 * delay, 10.0)
+        saved = save_trial_model(folder, params, examples, Path(tmp))
+        uri = send_or_defer(
+            client,
+            run_id,
+            MODEL_NAME,
+            local,
+            lambda: upload_trial_model(client, experiment_id, run_id, saved, retry_s),
+            retry_s,
+            say,
+        )
+    if uri is None:  # what `--resume-upload` rebuilds the same model from
+        (folder / EXAMPLES_FILE).write_text(json.dumps(examples), encoding="utf-8")
+    return uri
 
 
 def register_best(tracking_uri: str, model_uri: str, name: str, task: str) -> str:
@@ -174,12 +187,14 @@ def model_to_evaluate(params: Params, root: Path, best: Path, trials: Path, tmp:
     return download_registered(params.eval.model_uri, resolve_tracking_uri(params.tracking.uri, root), tmp)
 
 
-def model_logger(logger: Any, experiment_id: str, run_id: str) -> Callable[..., None]:
+def model_logger(logger: Any, experiment_id: str, run_id: str, trial_id: str) -> Callable[..., None]:
     """Logs a trial's saved folder as its run's MLflow model through `logger` (a RunLogger), tagging its URI."""
+    from pipelines.tracking.uploads import TRIAL_PREFIX
 
     def log(folder: Path, params: Params, tokenizer: Any, test: Any, say: Callable[[str], None]) -> None:
         examples = input_examples(tokenizer, test, params.task)
-        model_uri = log_trial_model(logger.client, experiment_id, run_id, folder, params, examples, say)
+        local = f"{TRIAL_PREFIX}{trial_id}"
+        model_uri = log_trial_model(logger.client, experiment_id, run_id, folder, params, examples, say, local)
         if model_uri is not None:
             logger.log_tags({MODEL_URI_TAG: model_uri})
 

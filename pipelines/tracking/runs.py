@@ -28,6 +28,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
 from pipelines.errors import UserError
 from pipelines.params import Params, TrackingParams, flatten_params
+from pipelines.tracking.access import check_can_write, refusal
 
 _MAX_PARAMS_PER_BATCH = 100  # MLflow's limit for log_batch
 _MAX_METRICS_PER_BATCH = 1000
@@ -98,10 +99,16 @@ def open_experiment(tracking: TrackingParams, root: Path) -> tuple[MlflowClient,
             experiment = client.get_experiment_by_name(tracking.experiment)
             if experiment is None:
                 raise RuntimeError(f"experiment {tracking.experiment!r} could not be created")
-        if EXPERIMENT_KIND_TAG not in experiment.tags:  # made before this tag, or by another tool
-            client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+        if EXPERIMENT_KIND_TAG not in experiment.tags or uri.startswith(("http://", "https://")):
+            # Made before this tag or by another tool; on a server, also the write a user without permission is
+            # refused now rather than in every trial.
+            check_can_write(client, experiment.experiment_id, (EXPERIMENT_KIND_TAG, EXPERIMENT_KIND), tracking)
         return client, experiment.experiment_id
+    except UserError:
+        raise
     except Exception as err:  # noqa: BLE001 - any failure here means the store is unusable
+        if (explained := refusal(err, tracking)) is not None:  # wrong credentials, or no right to create it
+            raise explained from None
         raise UserError(
             f"tracking.uri = {tracking.uri!r}: the MLflow store is unreachable or unusable "
             f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
@@ -361,9 +368,15 @@ def open_store(tracking: TrackingParams, root: Path, say: Callable[[str], None] 
     return client, experiment_id
 
 
-def log_evaluation(client: MlflowClient, run_id: str, metrics: Mapping[str, float], artifacts: list[Path]) -> None:
-    """Log the evaluate stage's metrics and files into the best trial's run."""
+def log_evaluation(
+    client: MlflowClient, run_id: str, metrics: Mapping[str, float], artifacts: list[Path], retry_s: float
+) -> None:
+    """Log the evaluate stage's metrics and files into the best trial's run (a file the bucket refuses stays
+    pending on the run: `pipelines.tracking.uploads`)."""
+    from pipelines.tracking.uploads import send_or_defer
+
     now = int(time.time() * 1000)
     client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()], synchronous=True)
     for path in artifacts:
-        client.log_artifact(run_id, str(path), artifact_path="evaluate")
+        upload = lambda path=path: client.log_artifact(run_id, str(path), artifact_path="evaluate")  # noqa: E731
+        send_or_defer(client, run_id, f"evaluate/{path.name}", str(path), upload, retry_s, print)

@@ -50,12 +50,11 @@ def open_client(tracking_uri: str) -> Any:
 
 
 def watch_system(run_id: str, tracking_uri: str) -> Any:
-    """MLflow's system-metrics monitor of the run (CPU, memory, GPU every 5 s), started; `.finish()` it."""
-    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+    """MLflow's system-metrics monitor of the run (CPU, memory, GPU every 5 s), started and restarted after a
+    tracking outage (`pipelines.tracking.system_watch`); `.finish()` it."""
+    from pipelines.tracking.system_watch import SystemWatch
 
-    monitor = SystemMetricsMonitor(run_id, sampling_interval=5, tracking_uri=tracking_uri)
-    monitor.start()
-    return monitor
+    return SystemWatch(run_id, tracking_uri, interval_s=5.0)
 
 
 def headline_metrics(task: str) -> tuple[str, ...]:

@@ -105,7 +105,7 @@ def train_worker(config: dict[str, Any]) -> None:
     if rank == 0:
         client = open_client(context.tracking_uri)
         logger = RunLogger(client, config["run_id"], fallback_dir=context.fallback_dir)
-        log_model = model_logger(logger, context.experiment_id, config["run_id"])
+        log_model = model_logger(logger, context.experiment_id, config["run_id"], config["trial_id"])
     trial = Trial(
         context, config["variant"], config["trial_id"], config["run_id"], logger, ray.train.report,
         Path(config["checkpoint_dir"]), rank, log_model, progress_bar(context.progress_bars and rank == 0),

@@ -13,10 +13,18 @@ from typing import Any
 WORKER_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 
+# How the driver's user reaches a team's MLflow server (docs/how-to/team-server.md): trials on a cluster that
+# was started without them (another terminal's `ray start`) need them too. Passed as Ray's runtime environment,
+# never written into a param, tag or file of the pipeline's.
+TRACKING_CREDENTIALS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
+                        "MLFLOW_TRACKING_SERVER_CERT_PATH", "MLFLOW_TRACKING_CLIENT_CERT_PATH")  # fmt: skip
+
+
 def worker_env() -> dict[str, str]:
-    """The trials' environment: WORKER_ENV, and MLflow's telemetry off unless the driver's user set it
-    (`pipelines.tracking` says why)."""
-    return {**WORKER_ENV, "MLFLOW_DISABLE_TELEMETRY": os.environ.get("MLFLOW_DISABLE_TELEMETRY", "true")}
+    """The trials' environment: WORKER_ENV, MLflow's telemetry off unless the driver's user set it
+    (`pipelines.tracking` says why), and the driver's credentials for the tracking server, if any."""
+    credentials = {key: os.environ[key] for key in TRACKING_CREDENTIALS if os.environ.get(key)}
+    return {**WORKER_ENV, "MLFLOW_DISABLE_TELEMETRY": os.environ.get("MLFLOW_DISABLE_TELEMETRY", "true"), **credentials}
 
 
 def init_ray(num_cpus: int, address: str | None) -> None:

@@ -38,6 +38,7 @@ from pipelines.tracking.status import (
     stopped_tags,
     watch_system,
 )
+from pipelines.tracking.uploads import TRIAL_PREFIX, send_or_defer
 from pipelines.train.checkpoint import claim_checkpoint_dir
 from pipelines.train.memory import reset_peak_rss
 from pipelines.trial_context import FINAL_KEY, REPEAT_KEY, VARIANT_ORDER_TAG, TrialContext
@@ -107,7 +108,7 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
         logger.log_tags(stopped_tags(context.scheduler))
 
     with ended_run(close, record_error, record_stop):
-        params = trial_params(config, context, variant, logger, rss_reset)
+        params = trial_params(config, context, variant, trial_id, logger, rss_reset)
         monitors.append(watch_system(run_id, context.tracking_uri))
         host_load = HostLoad().start()  # beside the times: how busy the host was while they were taken
         with claim_checkpoint_dir(Path(context.checkpoint_root), params) as checkpoint_dir:
@@ -117,7 +118,7 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
                 metrics = run_distributed_trial(params, context, variant, trial_id, run_id, checkpoint_dir)
             else:
                 trial = Trial(context, variant, trial_id, run_id, logger, tune.report, checkpoint_dir,
-                              log_model=model_logger(logger, context.experiment_id, run_id),
+                              log_model=model_logger(logger, context.experiment_id, run_id, trial_id),
                               make_bar=progress_bar(context.progress_bars))  # fmt: skip
                 metrics = train_and_save(trial, params)
         metrics["wall_time_s"] = time.perf_counter() - trial_start
@@ -140,7 +141,7 @@ def card_tags(context: TrialContext, variant: str) -> dict[str, str]:
 
 
 def trial_params(
-    config: dict[str, Any], context: TrialContext, variant: str, logger: RunLogger, rss_reset: bool
+    config: dict[str, Any], context: TrialContext, variant: str, trial_id: str, logger: RunLogger, rss_reset: bool
 ) -> Params:
     """The trial's params (the base with its variant's and sampled overrides), logged with its inputs to the
     logger's run."""
@@ -157,7 +158,10 @@ def trial_params(
             "peak_rss": "reset at trial start" if rss_reset else "process lifetime (no /proc/self/clear_refs)",
         }
     )
-    client.log_text(run_id, json.dumps(params.model_dump(mode="json"), indent=2), PARAMS_FILE)
+    # The trial's folder keeps the same params.json: if the bucket fails, `--resume-upload` sends that one.
+    send_or_defer(client, run_id, PARAMS_FILE, f"{TRIAL_PREFIX}{trial_id}/{PARAMS_FILE}",
+                  lambda: client.log_text(run_id, json.dumps(params.model_dump(mode="json"), indent=2), PARAMS_FILE),
+                  params.tracking.upload_retry_s, print)  # fmt: skip
     log_datasets(client, run_id, params.data, Path(context.root), Path(context.tokenized_dir))
     logger.log_dict(context.tokenize_stats)
     if variant in context.card_sharing:  # a metric too, so the runs table and the report can sort and mark by it

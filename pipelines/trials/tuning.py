@@ -32,12 +32,12 @@ from pipelines.tracking.runs import (
     start_run,
 )
 from pipelines.tracking.status import RUNS_VIEW_TAG, ended_run, log_best_on_parent, runs_view, stopped_tags
+from pipelines.tracking.uploads import send_or_defer
 from pipelines.trial_context import FINAL_KEY, REPEAT_KEY, TrialContext
 from pipelines.trials.card_share import gpu_shares, shared_resources
 from pipelines.trials.ray_cluster import init_ray, tune_console
+from pipelines.trials.unsent import BEST_DIR, OUT_PREFIX, TRIALS_FILE, keep_unsent_folders
 
-BEST_DIR = "best"
-TRIALS_FILE = "trials.json"
 # Keys in a trial's result that are bookkeeping (ours or Ray's), not measurements.
 _NON_METRIC_KEYS = {
     "mlflow_run_id",
@@ -234,6 +234,7 @@ def run_tuning(
         best = summary["best"]
         shutil.move(str(staging / best["trial_id"]), str(out_dir / BEST_DIR))
         follow_move(out_dir / BEST_DIR)
+        keep_unsent_folders(client, summary, staging, out_dir)  # the models the bucket refused stay on disk
         shutil.rmtree(staging, ignore_errors=True)
         client.set_tag(parent_run_id, "best_run_id", best["mlflow_run_id"])
         log_best_on_parent(client, parent_run_id, params.task, best["metrics"])
@@ -241,7 +242,8 @@ def run_tuning(
         if summary["registered_model"]:
             client.set_tag(parent_run_id, "registered_model", summary["registered_model"]["uri"])
         (out_dir / TRIALS_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        client.log_artifact(parent_run_id, str(out_dir / TRIALS_FILE))
+        send_or_defer(client, parent_run_id, TRIALS_FILE, OUT_PREFIX + TRIALS_FILE, lambda: client.log_artifact(
+            parent_run_id, str(out_dir / TRIALS_FILE)), params.tracking.upload_retry_s, print)  # fmt: skip
         return summary
 
 
@@ -363,11 +365,8 @@ def best_trial_metrics(summary: dict[str, Any]) -> dict[str, Any]:
     """The DVC metrics of a train run: the best trial's name, its sampled/variant settings and its metrics."""
     best = summary["best"]
     config = {f"best.{k}": v for k, v in best["config"].items()}
-    counts = {
-        "trials.finished": len(summary["trials"]),
-        "trials.failed": len(summary["failed"]),
-        "trials.stopped_early": len(summary["stopped_early"]),
-    }
+    counts = {f"trials.{name}": len(summary[key]) for name, key in
+              (("finished", "trials"), ("failed", "failed"), ("stopped_early", "stopped_early"))}  # fmt: skip
     return {
         "variant": best["variant"],
         "mlflow_run_id": best["mlflow_run_id"],

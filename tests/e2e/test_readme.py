@@ -60,7 +60,32 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
     # commands on this machine's equivalents (a sqlite store and local artifacts, a local DVC remote).
     "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow server --host <private-ip> --port 5000 --backend-store-uri "
     "postgresql://user:pass@db/mlflow --artifacts-destination s3://bucket/mlartifacts": (
-        "tests/e2e/test_tuning.py::MlflowServer", '"--artifacts-destination"'),
+        "tests/e2e/team_stack.py::TeamServer", '"--artifacts-destination"'),
+    # docs/how-to/team-server.md: the same stack, on this machine (tests/e2e/team_stack.py builds it per test).
+    'pip install -e ".[team]"': ("pyproject.toml", "team = ["),
+    "initdb -D /srv/mlflow-pg --auth=scram-sha-256 -U mlflow --pwprompt": (
+        "tests/e2e/team_stack.py::Postgres", '"--auth=trust"'),
+    'pg_ctl -D /srv/mlflow-pg -o "-c listen_addresses=127.0.0.1 -p 5432" -l /srv/mlflow-pg.log start': (
+        "tests/e2e/team_stack.py::Postgres", "listen_addresses=127.0.0.1"),
+    "createdb -h 127.0.0.1 -U mlflow mlflow": ("tests/e2e/team_stack.py::Postgres", '"createdb"'),
+    "export MLFLOW_AUTH_CONFIG_PATH=/srv/mlflow-auth.ini": ("tests/e2e/team_stack.py::TeamServer",
+                                                            '"MLFLOW_AUTH_CONFIG_PATH"'),
+    "export MLFLOW_AUTH_ADMIN_PASSWORD='<a long random password>'": ("tests/e2e/team_stack.py::TeamServer",
+                                                                     '"MLFLOW_AUTH_ADMIN_PASSWORD"'),
+    "export MLFLOW_FLASK_SERVER_SECRET_KEY='<another random string>'": ("tests/e2e/team_stack.py::TeamServer",
+                                                                        '"MLFLOW_FLASK_SERVER_SECRET_KEY"'),
+    "export MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false": ("tests/e2e/team_stack.py::TeamServer",
+                                                        '"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"'),
+    "mlflow server --app-name basic-auth --host <private-ip> --port 5000 --backend-store-uri "
+    "postgresql+psycopg://mlflow@127.0.0.1:5432/mlflow --artifacts-destination s3://team/mlartifacts --allowed-hosts "
+    '"<private-ip>:5000,mlflow.internal:5000" --cors-allowed-origins "http://mlflow.internal:5000"': (
+        "tests/e2e/team_stack.py::TeamServer", '"--cors-allowed-origins"'),
+    "export MLFLOW_TRACKING_USERNAME=alice": ("tests/e2e/team_stack.py::TeamServer", '"MLFLOW_TRACKING_USERNAME"'),
+    "read -rs MLFLOW_TRACKING_PASSWORD": ("tests/e2e/team_stack.py::TeamServer", '"MLFLOW_TRACKING_PASSWORD"'),
+    "export MLFLOW_TRACKING_PASSWORD": ("tests/e2e/team_stack.py::TeamServer", '"MLFLOW_TRACKING_PASSWORD"'),
+    "python -m stages.train --resume-upload": (
+        "tests/e2e/test_team_server.py::test_a_failing_bucket_keeps_the_models_and_resume_upload_sends_them",
+        '"--resume-upload"'),
     'pip install "dvc[s3]"': ("tests/e2e/test_dvc_remote.py", "remote"),
     "dvc remote add -d storage s3://bucket/finetune": ("tests/e2e/test_dvc_remote.py", '"remote", "add", "-d"'),
     'git add -A': ("tests/e2e/test_dvc_remote.py", '"git", "add", "-A"'),

@@ -1,19 +1,17 @@
-"""Ray Tune trials tracked in MLflow: a real server and the sqlite store, ASHA, variant grids, DVC's queue."""
+"""Ray Tune trials tracked in MLflow's sqlite store: ASHA, variant grids, DVC's queue. A real team server (PostgreSQL,
+a bucket, auth), its outages and restarts: tests/e2e/test_team_server.py."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import FINAL_METRICS, FOUR_VARIANTS, QUICK, free_port, git_env, kill_session, run, write_params
-from tests.e2e.mlflow_ui import SERVER_ENV
+from tests.conftest import FINAL_METRICS, FOUR_VARIANTS, QUICK, run, write_params
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -47,89 +45,6 @@ def assert_complete_grid(client: MlflowClient, experiment: str, variants: set[st
         assert "tokenize.train.pad_fraction_fixed" in child.data.metrics
         assert child.data.tags["env.torch"] and child.data.tags["env.device"]
     assert not [r for r in runs if r.info.status == "RUNNING"]
-
-
-class MlflowServer:
-    """A real `mlflow server` bound to 127.0.0.1 on a free port; can be killed and restarted on the same port."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder, self.port, self.proc = folder, free_port(), None
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "mlflow",
-                "server",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--backend-store-uri",
-                f"sqlite:///{self.folder / 'server.db'}",
-                "--artifacts-destination",
-                str(self.folder / "server-artifacts"),
-                "--workers",
-                "2",
-            ],
-            cwd=self.folder,
-            env={**git_env(), **SERVER_ENV},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.5)
-        self.kill()
-        pytest.fail("mlflow server did not become healthy in 90 s")
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            kill_session(self.proc.pid)  # the server and its workers
-            self.proc.wait(timeout=30)
-            self.proc = None
-
-
-@pytest.fixture
-def server(tmp_path: Path):
-    srv = MlflowServer(tmp_path)
-    srv.start()
-    yield srv
-    srv.kill()
-
-
-@pytest.fixture
-def mlflow_server(server: MlflowServer) -> str:
-    return server.url
-
-
-def test_four_variant_grid_two_concurrent_against_a_real_mlflow_server(project_copy: Path, mlflow_server: str):
-    write_params(
-        project_copy,
-        {
-            **QUICK,
-            "tune.variants": FOUR_VARIANTS,
-            "tune.max_concurrent_trials": 2,
-            "tracking.uri": mlflow_server,
-            "tracking.experiment": "served",
-        },
-    )
-    run_stages(project_copy, "tokenize", "train")
-    client = MlflowClient(tracking_uri=mlflow_server)
-    assert_complete_grid(client, "served", set(FOUR_VARIANTS))
-    best = json.loads((project_copy / "models/trials.json").read_text())["best"]["mlflow_run_id"]
-    # The best trial's model, logged through the server as an MLflow model, holds the trial's weights.
-    model_id = client.get_run(best).data.tags["model_uri"].removeprefix("models:/")
-    folder = next(a.path for a in client.list_logged_model_artifacts(model_id, "artifacts"))
-    assert f"{folder}/model.safetensors" in {a.path for a in client.list_logged_model_artifacts(model_id, folder)}
 
 
 @pytest.mark.parametrize("concurrent", [2, 4])
@@ -208,57 +123,6 @@ def test_same_params_and_seed_give_identical_metrics(project_copy: Path):
     second = json.loads((project_copy / "metrics/train.json").read_text())
     for key in ("final_train_loss", "val_accuracy", "val_loss", "test_accuracy", "optimizer_steps"):
         assert first[key] == second[key], key
-
-
-def test_training_goes_on_through_a_tracking_outage_and_nothing_is_lost(project_copy: Path, server: MlflowServer):
-    write_params(
-        project_copy,
-        {
-            "data.generator.num_rows": 3000,
-            "epochs": 3,
-            "log_every_n_steps": 1,
-            "tracking.uri": server.url,
-            "tracking.experiment": "outage",
-        },
-    )
-    run([sys.executable, "-m", "stages.tokenize"], project_copy)
-    stage = subprocess.Popen(
-        [sys.executable, "-m", "stages.train"],
-        cwd=project_copy,
-        env=git_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    client = MlflowClient(tracking_uri=server.url)
-    deadline = time.monotonic() + 300
-    child = None
-    while time.monotonic() < deadline and child is None:  # wait until the trial has logged some steps
-        experiment = client.get_experiment_by_name("outage")
-        runs = client.search_runs([experiment.experiment_id]) if experiment else []
-        child = next(
-            (
-                r
-                for r in runs
-                if "mlflow.parentRunId" in r.data.tags
-                and len(client.get_metric_history(r.info.run_id, "train_loss")) > 0
-            ),
-            None,
-        )
-        time.sleep(0.5)
-    assert child is not None, "the trial never logged"
-    server.kill()  # the tracking server dies mid-run...
-    time.sleep(8)
-    server.start()  # ...and comes back on the same port and store
-    output, _ = stage.communicate(timeout=600)
-    assert stage.returncode == 0, output[-3000:]
-    assert "buffering metrics" in output and "reachable again" in output
-    run_after = client.get_run(child.info.run_id)
-    assert run_after.info.status == "FINISHED"
-    steps = int(run_after.data.metrics["optimizer_steps"])
-    history = client.get_metric_history(child.info.run_id, "train_loss")
-    assert sorted(m.step for m in history) == list(range(1, steps + 1))  # every step's point, none lost
-    assert not list((project_copy / "mlflow-fallback").glob("*.json"))
 
 
 def test_repeats_run_each_variant_over_seeds_and_the_report_shows_mean_sd(project_copy: Path):

@@ -29,7 +29,7 @@ def test_repo_root_follows_dvc_root(monkeypatch, tmp_path: Path):
 
 
 def test_experiment_created_once_and_runs_logged_in_batches(tmp_path: Path):
-    tracking = TrackingParams(uri="sqlite:///store.db", experiment="t", registered_model=None)
+    tracking = TrackingParams(uri="sqlite:///store.db", experiment="t", registered_model=None, upload_retry_s=1)
     client, first = open_experiment(tracking, tmp_path)
     _, second = open_experiment(tracking, tmp_path)
     assert first == second
@@ -44,7 +44,7 @@ def test_experiment_created_once_and_runs_logged_in_batches(tmp_path: Path):
 
 def test_unusable_store_is_a_user_error(tmp_path: Path):
     (tmp_path / "a-file").write_text("not a folder")
-    tracking = TrackingParams(uri="sqlite:///a-file/x.db", experiment="t", registered_model=None)
+    tracking = TrackingParams(uri="sqlite:///a-file/x.db", experiment="t", registered_model=None, upload_retry_s=1)
     with pytest.raises(UserError, match="tracking.uri = 'sqlite:///a-file/x.db': the MLflow store is unreachable"):
         open_experiment(tracking, tmp_path)
 
@@ -82,7 +82,7 @@ def test_logger_writes_a_fallback_file_when_the_store_never_comes_back(tmp_path:
 def test_the_headline_metrics_are_listed_first_and_keep_their_measured_values(tmp_path: Path, task: str):
     # MLflow lists a run's metrics in first-logged order; its compare view opens on the first one
     # (tests/e2e/test_dvc_experiments.py reads it from the real UI). A trial lists its headline first.
-    tracking = TrackingParams(uri="sqlite:///store.db", experiment="t", registered_model=None)
+    tracking = TrackingParams(uri="sqlite:///store.db", experiment="t", registered_model=None, upload_retry_s=1)
     client, experiment = open_experiment(tracking, tmp_path)
     run_id = start_run(client, experiment, "r", {})
     headline = headline_metrics(task)

@@ -1,0 +1,94 @@
+"""What tracking to a team's server costs: the default train stage, to the team stack against the sqlite default.
+
+    python -m benchmarks.bench_team_server [--rounds 3] [--json PATH]
+
+The team stack is the one `docs/how-to/team-server.md` sets up and `tests/e2e/team_stack.py` starts: PostgreSQL
+(Debian's), moto's S3 server as the bucket, `mlflow server --app-name basic-auth` proxying the artifacts, a member
+with EDIT on the experiment. One copy of the project is tokenized once; then `python -m stages.train` (its own
+local Ray cluster, as `dvc repro` runs it) is timed whole, wall clock, alternately against each store, the order
+swapped each round (round-robin). The default params otherwise. Prints each run, the medians and the ratio.
+Needs PostgreSQL's server programs and the `dev` extra (moto).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def project_copy(dest: Path) -> Path:
+    """This project's tracked and unignored files, in a fresh git repo (as a clone would have them)."""
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split("\0")  # fmt: skip
+    for rel in filter(None, files):
+        if (REPO / rel).is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, dest / rel)
+    subprocess.run(["git", "init", "-q", "-b", "main"], cwd=dest, check=True)
+    return dest
+
+
+def train_once(root: Path, uri: str, env: dict[str, str]) -> float:
+    """Wall seconds of one train stage tracking to `uri`."""
+    import yaml
+
+    from pipelines.params import set_dotted
+
+    tree = yaml.safe_load((root / "params.yaml").read_text())
+    set_dotted(tree, "tracking.uri", uri)
+    (root / "params.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "stages.train"], cwd=root, env={**os.environ, **env},
+                          capture_output=True, text=True)  # fmt: skip
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        raise SystemExit(f"the train stage failed against {uri}:\n{done.stderr[-3000:]}")
+    return wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    sys.path.insert(0, str(REPO))
+    from tests.e2e.team_stack import TeamStack
+
+    os.environ.pop("RAY_ADDRESS", None)  # each stage starts its own local cluster, as a user's `dvc repro` does
+    with tempfile.TemporaryDirectory() as tmp:
+        root = project_copy(Path(tmp) / "project")
+        subprocess.run([sys.executable, "-m", "stages.tokenize"], cwd=root, check=True, capture_output=True)
+        stack = TeamStack(Path(tmp))
+        try:
+            stack.experiment_id = stack.server.create_experiment()
+            stack.server.add_user("trainer", "EDIT", stack.experiment_id)
+            stores = {"sqlite": ("sqlite:///mlflow.db", {}), "team": (stack.server.url,
+                                                                    stack.server.credentials("trainer"))}  # fmt: skip
+            walls: dict[str, list[float]] = {name: [] for name in stores}
+            for round_ in range(args.rounds):
+                order = list(stores) if round_ % 2 == 0 else list(reversed(stores))
+                for name in order:
+                    walls[name].append(train_once(root, *stores[name]))
+                    print(f"round {round_ + 1}: {name:6s} {walls[name][-1]:6.1f} s", flush=True)
+        finally:
+            stack.close()
+    medians = {name: statistics.median(values) for name, values in walls.items()}
+    ratio = medians["team"] / medians["sqlite"]
+    print(f"median wall: sqlite {medians['sqlite']:.1f} s, team server {medians['team']:.1f} s; "
+          f"team / sqlite = {ratio:.3f} ({100 * (ratio - 1):+.1f}%)")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps({"walls_s": walls, "medians_s": medians, "ratio": ratio}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""A team's tracking stack, real and throw-away, as `docs/how-to/team-server.md` sets it up: PostgreSQL for the store
+(Debian's `initdb` + `pg_ctl`), an S3 emulator for the artifacts (moto's server, from the package registry) and
+`mlflow server --app-name basic-auth` in front of both, proxying the artifacts. Each listens on 127.0.0.1 on a free
+port, keeps its files in a temporary folder, and can be stopped and started again on the same port and data."""
+
+from __future__ import annotations
+
+import glob
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port, git_env, kill_session
+
+BUCKET = "team"
+EXPERIMENT = "finetune"
+SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+S3_KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def postgres_bin(tool: str) -> str | None:
+    """A PostgreSQL server program (`initdb`, `pg_ctl`): on PATH, or in Debian's versioned folder."""
+    found = shutil.which(tool)
+    if found:
+        return found
+    candidates = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{tool}"))
+    return candidates[-1] if candidates else None
+
+
+def wait_until(check, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not come up within {seconds:.0f} s")
+        time.sleep(0.3)
+
+
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+class Postgres:
+    """A PostgreSQL cluster in a fresh folder, run by the `postgres` user when the tests run as root (it refuses
+    root), trusting connections from 127.0.0.1 only."""
+
+    def __init__(self) -> None:
+        initdb, self.pg_ctl = postgres_bin("initdb"), postgres_bin("pg_ctl")
+        if initdb is None or self.pg_ctl is None:
+            pytest.skip("PostgreSQL's server programs are not installed (.ci/run installs Debian's postgresql)")
+        # Not under pytest's tmp_path: its parents are root's alone, and the server runs as another user.
+        self.folder = Path(tempfile.mkdtemp(prefix="team-pg-"))
+        self.port, self.as_user = free_port(), (["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else [])
+        if self.as_user:
+            shutil.chown(self.folder, "postgres")
+        self._run([initdb, "-D", str(self.folder / "data"), "--auth=trust", "-U", "postgres", "--no-sync"])
+        self.start()
+        self._run([postgres_bin("createdb") or "createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
+                   "mlflow"])  # fmt: skip
+        self.uri = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/mlflow"
+
+    def _run(self, cmd: list[str]) -> None:
+        subprocess.run([*self.as_user, *cmd], check=True, capture_output=True, cwd=self.folder, timeout=120)
+
+    def start(self) -> None:
+        options = f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.folder} -c fsync=off"
+        self._run([self.pg_ctl, "-D", str(self.folder / "data"), "-o", options, "-l", str(self.folder / "log"),
+                   "-w", "start"])  # fmt: skip
+
+    def stop(self) -> None:
+        self._run([self.pg_ctl, "-D", str(self.folder / "data"), "-m", "fast", "-w", "stop"])
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        try:
+            self.stop()
+        except subprocess.CalledProcessError:
+            pass  # already stopped
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class S3Bucket:
+    """moto's S3 server on a free port with the bucket `team`; `objects()` lists what the bucket holds."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.port, self.proc = folder, free_port(), None
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        import boto3
+
+        self.proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)],
+            cwd=self.folder, env=git_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        wait_until(lambda: answers(f"{self.url}/moto-api/"), 60, "the S3 emulator")
+        boto3.client("s3", endpoint_url=self.url, **_boto_keys()).create_bucket(Bucket=BUCKET)
+
+    def objects(self, prefix: str = "") -> list[str]:
+        import boto3
+
+        s3 = boto3.client("s3", endpoint_url=self.url, **_boto_keys())
+        pages = s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+        return [item["Key"] for page in pages for item in page.get("Contents", [])]
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            kill_session(self.proc.pid)
+            self.proc.wait(timeout=30)
+            self.proc = None
+
+
+def _boto_keys() -> dict[str, str]:
+    names = {"aws_access_key_id": "AWS_ACCESS_KEY_ID", "aws_secret_access_key": "AWS_SECRET_ACCESS_KEY",
+             "region_name": "AWS_DEFAULT_REGION"}  # fmt: skip
+    return {argument: S3_KEYS[variable] for argument, variable in names.items()}
+
+
+class TeamServer:
+    """`mlflow server --app-name basic-auth` over `store` (a PostgreSQL URI) with artifacts proxied to the bucket;
+    an admin with a random password, made on first start. `credentials(user)` is what a member exports."""
+
+    def __init__(self, folder: Path, store: str, bucket: S3Bucket) -> None:
+        self.folder, self.store, self.bucket = folder, store, bucket
+        self.port, self.proc = free_port(), None
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.passwords = {"admin": secrets.token_urlsafe(18)}
+        self.secret_key = secrets.token_hex(16)  # CSRF tokens' key: the same across restarts
+        (folder / "auth.ini").write_text(
+            "[mlflow]\ndefault_permission = NO_PERMISSIONS\n"
+            f"database_uri = sqlite:///{folder / 'auth.db'}\nadmin_username = admin\n"
+            "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+        )
+
+    def start(self) -> None:
+        # AWS_MAX_ATTEMPTS=1: the server tries the bucket once per request (boto3's default is 5 tries), so a test
+        # of a bucket that is down waits seconds; the client and the pipeline retry on their side.
+        env = {
+            **git_env(),
+            **SERVER_ENV,
+            **S3_KEYS,
+            "AWS_MAX_ATTEMPTS": "1",
+            "MLFLOW_S3_ENDPOINT_URL": self.bucket.url,
+            "MLFLOW_AUTH_CONFIG_PATH": str(self.folder / "auth.ini"),
+            "MLFLOW_AUTH_ADMIN_PASSWORD": self.passwords["admin"],
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": self.secret_key,
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--app-name", "basic-auth", "--host", "127.0.0.1",
+             "--port", str(self.port), "--backend-store-uri", self.store,
+             "--artifacts-destination", f"s3://{BUCKET}/mlartifacts", "--workers", "2",
+             "--allowed-hosts", f"127.0.0.1:{self.port},localhost:{self.port}",
+             "--cors-allowed-origins", f"http://127.0.0.1:{self.port}"],
+            cwd=self.folder, env=env, stdout=(self.folder / "server.log").open("ab"), stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        proc = self.proc
+        wait_until(lambda: answers(f"{self.url}/health") or proc.poll() is not None, 120, "the MLflow server")
+        if proc.poll() is not None:
+            raise AssertionError(f"the MLflow server exited:\n{(self.folder / 'server.log').read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            kill_session(self.proc.pid)  # the server and its workers
+            self.proc.wait(timeout=30)
+            self.proc = None
+
+    def credentials(self, user: str) -> dict[str, str]:
+        """The environment a member sets to reach the server as `user`."""
+        return {"MLFLOW_TRACKING_USERNAME": user, "MLFLOW_TRACKING_PASSWORD": self.passwords[user]}
+
+    def add_user(self, user: str, permission: str | None, experiment_id: str | None = None) -> None:
+        """Make `user` (a random password) and grant `permission` on the experiment, as the admin."""
+        from mlflow.server.auth.client import AuthServiceClient
+
+        self.passwords[user] = secrets.token_urlsafe(18)
+        with as_user(self, "admin"):
+            admin = AuthServiceClient(self.url)
+            admin.create_user(user, self.passwords[user])
+            if permission is not None:
+                admin.grant_user_permission(user, "experiment", experiment_id, permission)
+
+    def create_experiment(self, name: str = EXPERIMENT) -> str:
+        from mlflow.tracking import MlflowClient
+
+        with as_user(self, "admin"):
+            return MlflowClient(self.url).create_experiment(name)
+
+
+class as_user:  # noqa: N801 - used as a context manager, like a function
+    """MLflow's credentials variables set to `user`'s for the block (this test process's own client calls)."""
+
+    def __init__(self, server: TeamServer, user: str) -> None:
+        self.values, self.saved = server.credentials(user), {}
+
+    def __enter__(self) -> None:
+        self.saved = {key: os.environ.get(key) for key in self.values}
+        os.environ.update(self.values)
+
+    def __exit__(self, *exc: object) -> None:
+        for key, value in self.saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+class TeamStack:
+    """PostgreSQL, the bucket and the server, started in that order; `close()` stops all three."""
+
+    def __init__(self, folder: Path) -> None:
+        self.postgres = Postgres()
+        self.bucket = S3Bucket(folder)
+        self.server = TeamServer(folder, self.postgres.uri, self.bucket)
+        self.experiment_id: str | None = None  # the team's experiment, once the admin made it
+        try:
+            self.bucket.start()
+            self.server.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self.server.kill()
+        self.bucket.stop()
+        self.postgres.close()

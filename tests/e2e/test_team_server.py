@@ -1,0 +1,196 @@
+"""A team's tracking server, as docs/how-to/team-server.md sets it up: PostgreSQL, an S3 bucket behind the MLflow
+server, basic auth. Two experiments at once, restarts mid-run, a bucket that fails, and users it refuses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import FOUR_VARIANTS, QUICK, git_env, run, write_params
+from tests.e2e.team_stack import EXPERIMENT, TeamStack, as_user, postgres_bin
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@pytest.fixture
+def team(tmp_path: Path):
+    """PostgreSQL, the bucket and the MLflow server with basic auth, running for one test."""
+    stack = TeamStack(tmp_path)
+    yield stack
+    stack.close()
+
+
+def team_params(root: Path, team: TeamStack, **overrides: object) -> None:
+    write_params(root, {**QUICK, "log_every_n_steps": 1, "tracking.uri": team.server.url,
+                        "tracking.experiment": EXPERIMENT, **overrides})  # fmt: skip
+    run(["git", "commit", "-qam", "team server"], root)
+
+
+def member(team: TeamStack, user: str = "trainer", permission: str | None = "EDIT") -> dict[str, str]:
+    """A member of the team with `permission` on the experiment; the environment their commands run with."""
+    team.experiment_id = team.experiment_id or team.server.create_experiment()
+    team.server.add_user(user, permission, team.experiment_id)
+    return team.server.credentials(user)
+
+
+def stage(root: Path, name: str, env: dict[str, str], *args: str, check: bool = True):
+    return run([sys.executable, "-m", f"stages.{name}", *args], root, timeout=800, check=check, env=env)
+
+
+def runs_of(team: TeamStack) -> list:
+    with as_user(team.server, "admin"):
+        client = MlflowClient(team.server.url)
+        return client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id], max_results=1000)
+
+
+def assert_every_step_arrived(client: MlflowClient, child) -> None:
+    steps = int(child.data.metrics["optimizer_steps"])
+    history = client.get_metric_history(child.info.run_id, "train_loss")
+    assert sorted(m.step for m in history) == list(range(1, steps + 1)), child.data.tags.get("variant")
+
+
+def assert_no_password_anywhere(team: TeamStack, root: Path) -> None:
+    """No password in a file under `root` (the pipeline's outputs, DVC's and Ray's files), nor in the store."""
+    secrets = [p.encode() for p in team.server.passwords.values()]
+    for path in root.rglob("*"):
+        if path.is_file() and ".git" not in path.parts:
+            data = path.read_bytes()
+            assert not any(s in data for s in secrets), f"a password is in {path}"
+    dump = subprocess.run(
+        [*team.postgres.as_user, postgres_bin("pg_dump"), "-h", "127.0.0.1", "-p", str(team.postgres.port),
+         "-U", "postgres", "mlflow"], capture_output=True, check=True, cwd=team.postgres.folder,
+    ).stdout  # fmt: skip
+    assert b"CREATE TABLE" in dump and not any(s in dump for s in secrets)
+
+
+def test_two_experiments_at_once_on_the_team_server_lose_nothing(project_copy: Path, team: TeamStack):
+    env = member(team)
+    team_params(project_copy, team, **{"tune.variants": FOUR_VARIANTS, "tune.max_concurrent_trials": 2})
+    # Two experiments at once, each a grid of 4 variants (2 trials at a time); the second with another seed.
+    run(["dvc", "exp", "run", "--queue", "-n", "grid"], project_copy, env=env)
+    run(["dvc", "exp", "run", "--queue", "-n", "reseeded", "-S", "seed=7"], project_copy, env=env)
+    run(["dvc", "queue", "start", "-j", "2"], project_copy, env=env)
+    deadline = time.monotonic() + 800
+    while time.monotonic() < deadline:
+        status = run(["dvc", "queue", "status"], project_copy, env=env).stdout
+        if "Queued" not in status and "Running" not in status:
+            break
+        time.sleep(3)
+    assert status.count("Success") == 2, (
+        status + run(["dvc", "queue", "logs", "grid"], project_copy, check=False).stdout
+    )
+
+    runs = runs_of(team)
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert sorted(p.data.tags["dvc_exp_name"] for p in parents) == ["grid", "reseeded"]  # no duplicate, none lost
+    for parent in parents:
+        mine = [c for c in children if c.data.tags["mlflow.parentRunId"] == parent.info.run_id]
+        assert sorted(c.data.tags["variant"] for c in mine) == sorted(FOUR_VARIANTS)
+    assert len(children) == 8 and all(r.info.status == "FINISHED" for r in runs)
+    objects = set(team.bucket.objects())
+    with as_user(team.server, "admin"):
+        client = MlflowClient(team.server.url)
+        for child in children:
+            assert_every_step_arrived(client, child)
+            run_id, model_id = child.info.run_id, child.data.tags["model_uri"].removeprefix("models:/")
+            assert any(k.endswith(f"{run_id}/artifacts/params.json") for k in objects)
+            assert any(model_id in k and k.endswith("model.safetensors") for k in objects), child.data.tags["variant"]
+            assert {d.dataset.name for d in client.get_run(run_id).inputs.dataset_inputs} == {
+                "train", "validation", "test"}  # fmt: skip
+    for parent in parents:
+        assert any(k.endswith(f"{parent.info.run_id}/artifacts/report/report.md") for k in objects)
+    assert_no_password_anywhere(team, project_copy)
+
+
+def test_restarts_of_the_store_and_the_server_mid_trial_lose_nothing(project_copy: Path, team: TeamStack):
+    env = member(team)
+    team_params(project_copy, team, **{"data.generator.num_rows": 3000, "epochs": 3})
+    stage(project_copy, "tokenize", env)
+    proc = subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=project_copy, env={**git_env(), **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    with as_user(team.server, "admin"):
+        client = MlflowClient(team.server.url)
+        deadline, child = time.monotonic() + 300, None
+        while child is None and time.monotonic() < deadline and proc.poll() is None:
+            child = next((r for r in runs_of(team) if "mlflow.parentRunId" in r.data.tags
+                          and client.get_metric_history(r.info.run_id, "train_loss")), None)  # fmt: skip
+            time.sleep(0.5)
+        assert child is not None, "the trial never logged"
+        team.postgres.restart()  # the store goes away and comes back...
+        team.server.kill()  # ...then the server dies...
+        time.sleep(8)
+        back = time.time()
+        team.server.start()  # ...and comes back on the same port, store and bucket
+        output, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, output[-3000:]
+        assert "buffering metrics" in output and "reachable again" in output
+        finished = client.get_run(child.info.run_id)
+        assert finished.info.status == "FINISHED"
+        assert_every_step_arrived(client, finished)
+        # The system metrics resumed after the outage (sampled every 5 s), and the run says what they missed.
+        cpu = client.get_metric_history(child.info.run_id, "system/cpu_utilization_percentage")
+        assert cpu and max(m.timestamp for m in cpu) / 1000 > back, "no system metric after the server came back"
+        assert "tracking server unreachable" in finished.data.tags["system_metrics.gaps"]
+        assert 0 < finished.data.metrics["system_metrics_gap_s"] < 120
+    assert not list((project_copy / "mlflow-fallback").glob("*.json"))
+
+
+def test_a_failing_bucket_keeps_the_models_and_resume_upload_sends_them(project_copy: Path, team: TeamStack):
+    env = member(team)
+    variants = {"adamw": {}, "adafactor": {"optim": "adafactor"}}
+    team_params(project_copy, team, **{"tune.variants": variants, "tracking.upload_retry_s": 3})
+    stage(project_copy, "tokenize", env)
+    team.bucket.stop()  # the bucket is unreachable while the trials log their models
+    trained = stage(project_copy, "train", env)
+    said = trained.stdout + trained.stderr
+    assert "could not send 'model'" in said and "--resume-upload" in said
+
+    summary = json.loads((project_copy / "models/trials.json").read_text())
+    best = summary["best"]
+    other = next(t for t in summary["trials"] if t["trial_id"] != best["trial_id"])
+    assert (project_copy / "models/best/model.safetensors").is_file()  # both models stay on disk
+    assert (project_copy / "models/unsent" / other["trial_id"] / "model.safetensors").is_file()
+    with as_user(team.server, "admin"):
+        client = MlflowClient(team.server.url)
+        for trial in summary["trials"]:
+            tags = client.get_run(trial["mlflow_run_id"]).data.tags
+            assert set(json.loads(tags["upload.pending"])) == {"model", "params.json"} and "model_uri" not in tags
+            assert client.get_run(trial["mlflow_run_id"]).info.status == "FINISHED"
+        assert "trials.json" in json.loads(client.get_run(summary["parent_run_id"]).data.tags["upload.pending"])
+
+    team.bucket.start()  # the bucket is back (empty: the emulator keeps nothing)
+    resumed = stage(project_copy, "train", env, "--resume-upload")
+    assert "5 pending artifact(s) sent" in resumed.stdout and "registered the best model" in resumed.stdout
+    objects = set(team.bucket.objects())
+    with as_user(team.server, "admin"):
+        for trial in summary["trials"]:
+            tags = client.get_run(trial["mlflow_run_id"]).data.tags
+            assert "upload.pending" not in tags
+            model_id = tags["model_uri"].removeprefix("models:/")
+            assert any(model_id in k and k.endswith("model.safetensors") for k in objects)
+        assert any(k.endswith(f"{summary['parent_run_id']}/artifacts/trials.json") for k in objects)
+        assert client.get_latest_versions(f"{EXPERIMENT}-classification")
+    again = stage(project_copy, "train", env, "--resume-upload")
+    assert "nothing was pending" in again.stdout
+
+
+def test_the_server_refuses_a_reader_and_a_wrong_password_before_any_trial(project_copy: Path, team: TeamStack):
+    reader = member(team, "reader", "READ")
+    team_params(project_copy, team)
+    stage(project_copy, "tokenize", reader)
+    refused = stage(project_copy, "train", reader, check=False)
+    assert refused.returncode == 1
+    assert "user 'reader' may not write" in refused.stderr and "403" in refused.stderr, refused.stderr[-2000:]
+    wrong = {**member(team), "MLFLOW_TRACKING_PASSWORD": "not-the-password"}
+    refused = stage(project_copy, "train", wrong, check=False)
+    assert refused.returncode == 1 and "refused the credentials of user 'trainer'" in refused.stderr
+    assert "not-the-password" not in refused.stderr + refused.stdout
+    assert runs_of(team) == [] and not (project_copy / "checkpoints").exists()  # no run opened, no trial started
+    assert_no_password_anywhere(team, project_copy)
