@@ -38,8 +38,11 @@ def project_copy(dest: Path) -> Path:
     return dest
 
 
-def train_once(root: Path, uri: str, env: dict[str, str]) -> float:
-    """Wall seconds of one train stage tracking to `uri`."""
+PARTS = ("train_time_s", "setup_time_s", "log_model_time_s", "wall_time_s")  # the best trial's own clocks
+
+
+def train_once(root: Path, uri: str, env: dict[str, str]) -> tuple[float, dict[str, float]]:
+    """Wall seconds of one train stage tracking to `uri`, and its trial's own clocks (where the time went)."""
     import yaml
 
     from pipelines.params import set_dotted
@@ -53,7 +56,8 @@ def train_once(root: Path, uri: str, env: dict[str, str]) -> float:
     wall = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(f"the train stage failed against {uri}:\n{done.stderr[-3000:]}")
-    return wall
+    best = json.loads((root / "models/trials.json").read_text())["best"]["metrics"]
+    return wall, {k: best[k] for k in PARTS if k in best}
 
 
 def main() -> None:
@@ -78,8 +82,10 @@ def main() -> None:
             for round_ in range(args.rounds):
                 order = list(stores) if round_ % 2 == 0 else list(reversed(stores))
                 for name in order:
-                    walls[name].append(train_once(root, *stores[name]))
-                    print(f"round {round_ + 1}: {name:6s} {walls[name][-1]:6.1f} s", flush=True)
+                    wall, parts = train_once(root, *stores[name])
+                    walls[name].append(wall)
+                    clocks = ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
+                    print(f"round {round_ + 1}: {name:6s} {wall:6.1f} s (the trial's {clocks})", flush=True)
         finally:
             stack.close()
     medians = {name: statistics.median(values) for name, values in walls.items()}

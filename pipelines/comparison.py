@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient  # the client is passed in: pipelines.tracking opens it
 
+from pipelines.concurrency import METRIC as CONCURRENT
+from pipelines.concurrency import concurrency_note
 from pipelines.host_load import is_under_load
 from pipelines.noise import binomial_se, exceeds_noise, mean_sd, repeats_se
 from pipelines.task_registry import TASKS
@@ -249,8 +251,13 @@ def _shared_card(row: TrialRow) -> bool:
     return row.metrics.get("card_sharing", 1.0) > 1  # packed onto a card with other trials (gpu: auto)
 
 
+def _beside_others(row: TrialRow) -> bool:
+    return row.metrics.get(CONCURRENT, 1.0) > 1  # other trials of this project trained on the host at the same time
+
+
 def _loaded(row: TrialRow) -> bool:
-    return is_under_load(row.metrics.get("host_load_mean"), row.metrics.get("host_cores")) or _shared_card(row)
+    loaded = is_under_load(row.metrics.get("host_load_mean"), row.metrics.get("host_cores"))
+    return loaded or _shared_card(row) or _beside_others(row)
 
 
 def under_load(group: VariantGroup) -> bool:
@@ -267,14 +274,16 @@ def load_note(rows: list[TrialRow]) -> str | None:
 
     def why(row: TrialRow) -> str:
         parts = [f"card shared by {row.metrics['card_sharing']:.0f} trials"] if _shared_card(row) else []
+        if _beside_others(row):
+            parts.append(concurrency_note(row.metrics[CONCURRENT]))
         if is_under_load(row.metrics.get("host_load_mean"), row.metrics.get("host_cores")):
             parts.insert(0, f"load {row.metrics['host_load_mean']:.1f} on {row.metrics['host_cores']:.0f} cores")
         return f"{row.name}: {', '.join(parts)}"
 
     return (
         f"†: timed under load ({', '.join(why(r) for r in loaded)}): the host had more runnable threads than cores, "
-        "or the trial shared its card with others, so these times are slower than the same run alone on a quiet "
-        "host; compare them only with times taken under a like load."
+        "or the trial shared its card or cores with other trials, so these times are slower than the same run alone "
+        "on a quiet host; compare them only with times taken under a like load."
     )
 
 

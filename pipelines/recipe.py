@@ -22,6 +22,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from pipelines.adapters import BASE_DIR, apply_adapter, save_base_reference, save_trained
+from pipelines.concurrency import concurrency_note, training_now
 from pipelines.data.tokenization import LABELS_FILE, TOKENIZER_DIR, TokenizedSplit
 from pipelines.errors import warn_user
 from pipelines.model import set_attention
@@ -206,7 +207,13 @@ def log_lr_range(logger: TrialLogger, sweep: LrRangeResult) -> None:
 def train(trial: Trial, setup: Setup, resolved: ResolvedTraining) -> TrainResult:
     """The engine's run, with rank 0 showing progress (a bar on a terminal, a line per epoch) and logging."""
     params, logger = resolved.params, trial.logger
-    progress = TrialProgress(params.epochs, trial.say, trial.make_bar, trial.variant)
+    project = str(Path(trial.context.root).resolve())
+
+    def epoch_line(line: str) -> None:  # marked while other trials of this project share the host (their times too)
+        together = training_now(project)
+        trial.say(line + (f" [{concurrency_note(together)}: times shared]" if together > 1 else ""))
+
+    progress = TrialProgress(params.epochs, epoch_line, trial.make_bar, trial.variant)
     shown = trial.rank == 0
 
     def on_epoch_end(epoch: int, step: int, metrics: dict[str, float]) -> None:

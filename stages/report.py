@@ -35,7 +35,7 @@ def main() -> None:
     params = load_params()
     from pipelines.report import build_report
     from pipelines.tracking.runs import open_store
-    from pipelines.tracking.uploads import send_or_defer
+    from pipelines.tracking.uploads import Upload, send_or_defer
 
     summary = json.loads(TRIALS.read_text())
     client, _ = open_store(params.tracking, resolve_repo_root())
@@ -44,8 +44,8 @@ def main() -> None:
         build_report(client, summary["experiment_id"], summary["parent_run_id"], tmp, last_commit_best_run(),
                      confusion)  # fmt: skip
     parent, retry_s = summary["parent_run_id"], params.tracking.upload_retry_s
-    upload = lambda: client.log_artifacts(parent, str(OUT_DIR), artifact_path="report")  # noqa: E731
-    send_or_defer(client, parent, "report", str(OUT_DIR), upload, retry_s, print)
+    send = lambda: client.log_artifacts(parent, str(OUT_DIR), artifact_path="report")  # noqa: E731
+    send_or_defer(client, parent, Upload("report", str(OUT_DIR), send), retry_s, print)
 
 
 if __name__ == "__main__":

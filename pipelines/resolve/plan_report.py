@@ -37,6 +37,7 @@ class TargetPlan:
     room: int | None = None  # bytes to spare on the card (negative: over), reserve counted; None on the CPU
     recommended: str | None = None  # the precision of the fastest configuration that fits; None when none fits
     advice: str | None = None  # the fastest fitting configuration in plain words, or what would fit
+    tf32: bool | None = None  # whether the step times assume TF32 for fp32 matmuls (the runtime's rule); None: CPU
 
     def as_json(self) -> dict[str, object]:
         """The entry of metrics/plan.json."""
@@ -90,6 +91,7 @@ def _on_target(variant: Params, planner: object, target: PlanTarget, fastest: bo
     card = target.card
     budget = card.name if card is not None else variant.memory_budget
     best = _fastest(variant, planner, target, budget) if fastest and budget is not None else Fastest(None, None, None)
+    best = _native_16_bit(variant, planner, target, best)
     advice = {"fastest": best.why, "recommended": best.precision, "advice": best.plain}
     try:
         precision = target.precision(variant)
@@ -97,12 +99,33 @@ def _on_target(variant: Params, planner: object, target: PlanTarget, fastest: bo
     except (PlanUnavailable, UserError) as err:  # e.g. bf16 on a T4: the fastest fitting configuration still says
         return TargetPlan(None, variant.precision, unavailable=str(err), **advice)  # type: ignore[arg-type]
     step = predict_step(plan, precision, target, variant.tf32)
+    if card is not None:  # runtime.resolve_tf32's rule, as predict_step prices it
+        advice["tf32"] = variant.tf32 is True or (variant.tf32 == "auto" and precision != "fp32")
     if card is not None:
         reserve = card.reserve_bytes(plan.peak)
         room = card.memory_bytes - plan.peak - reserve
         return TargetPlan(plan, precision, reserve, card.fits(plan.peak), step=step, room=room, **advice)  # type: ignore[arg-type]
     fits = None if variant.memory_budget is None else plan.peak <= (budget_bytes(variant) or 0)
     return TargetPlan(plan, precision, None, fits, step=step, **advice)  # type: ignore[arg-type]
+
+
+def _native_16_bit(variant: Params, planner: object, target: PlanTarget, best: Fastest) -> Fastest:
+    """The search's answer, but the card's native 16-bit precision (what `precision: auto` resolves to there) where
+    the search kept fp32 and the 16-bit plan fits too: a launch-bound eager step is predicted as fast in either,
+    but the 16-bit one is never slower, is faster once compiled (compute-bound) and holds half the activations."""
+    if best.precision != "fp32" or target.card is None:
+        return best
+    native = target.precision(apply_overrides(variant, {"precision": "auto"}))
+    if native == "fp32":
+        return best
+    try:
+        plan = planner(apply_overrides(variant, {"precision": native}))  # type: ignore[operator]
+    except (PlanUnavailable, UserError):
+        return best
+    if not target.card.fits(plan.peak):
+        return best
+    why = f"{native}: the card's native 16-bit, no slower than fp32 and faster compiled; peak {_gib(plan.peak)}"
+    return Fastest(best.why, native, f"{best.plain}; train in {why}" if best.plain else why)
 
 
 @dataclass(frozen=True)
@@ -166,29 +189,35 @@ def _size(value: int | None) -> str:
 
 
 def target_table(name: str, plans: dict[str, TargetPlan]) -> str:
-    """One target's plans as a markdown table (MiB), one row per variant, its fastest fitting config below."""
+    """One target's plans as a markdown table within 120 columns, one row per variant (the reserve, parameters,
+    gradients, optimizer state, activations, batch and evaluation peaks are in metrics/plan.json), then the TF32
+    setting the step times assume and each variant's fastest fitting configuration."""
     lines = [
         f"Target: {name}",
         "",
-        "| Variant | Precision (as set) | Predicted peak | Reserve | Fits | Recommended precision | Parameters "
-        "| Trainable | Gradients | Optimizer state | Activations | Batch | Validation peak | Generation peak "
-        "| Step, eager | Step, compiled | Samples/s, eager |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| Variant | Precision | Predicted peak | Fits | Recommended | Step, eager | Step, compiled | Samples/s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     notes = []
     for variant, entry in plans.items():
         plan = entry.plan
         notes += [f"- {variant}: {entry.advice}"] if entry.advice else []
         if plan is None:
-            lines.append(f"| {variant} | {entry.precision} | not planned: {entry.unavailable} |" + "  |" * 14)
+            lines.append(f"| {variant} | {entry.precision} | not planned: {entry.unavailable} |" + "  |" * 5)
             continue
-        sizes = (plan.peak, entry.reserve, None, None, plan.parameters, plan.trainable_parameters, plan.gradients,
-                 plan.optimizer_state, plan.activations)  # fmt: skip
-        words = {2: _room(entry), 3: entry.recommended or "—"}
-        cells = [words[i] if i in words else _size(value) for i, value in enumerate(sizes)]
-        evaluation = f"{_size(plan.eval_peak)} | {_size(plan.generation_peak or None)}"
-        lines.append(
-            f"| {variant} | {entry.precision} | " + " | ".join(cells)
-            + f" | {plan.batch_rows} x {plan.batch_width} | {evaluation} | {_speed(entry.step)} |"
-        )  # fmt: skip
-    return "\n".join(lines + ([""] + notes if notes else []))
+        fits = _room(entry) if entry.fits is not None else "—"
+        lines.append(f"| {variant} | {entry.precision} | {_size(plan.peak)} | {fits} | {entry.recommended or '—'} | "
+                     f"{_speed(entry.step)} |")  # fmt: skip
+    assumed = _tf32_line(plans)
+    return "\n".join(lines + ([""] + [assumed] if assumed else []) + ([""] + notes if notes else []))
+
+
+def _tf32_line(plans: dict[str, TargetPlan]) -> str | None:
+    """Which TF32 setting the step times assume, per variant (a card's fp32 step without TF32 runs at its plain fp32
+    peak, where an L4 outruns an A100)."""
+    said = {v: e.tf32 for v, e in plans.items() if e.tf32 is not None}
+    if not said:
+        return None
+    parts = ", ".join(f"{v} {'on' if on else 'off'}" for v, on in said.items())
+    return (f"TF32 for fp32 matmuls, as assumed: {parts} (tf32: auto turns it on under bf16/fp16 only; "
+            "tf32: true prices fp32 matmuls at the card's TF32 peak).")  # fmt: skip

@@ -79,6 +79,28 @@ def save_trial_model(folder: Path, params: Params, examples: list[str], dst: Pat
     return local
 
 
+UPLOAD_WORKERS = 8
+
+
+def upload_folder(client: Any, artifact_location: str, local: Path) -> None:
+    """Upload `local`'s files to `artifact_location` side by side. MLflow's `log_model_artifacts` sends them one
+    after another, and through a server's artifact proxy each file is a request: the default model's 117 files
+    (most of them the package's code, which travels with the model) took 2.6-3.1 s that way, against 0.47 s into a
+    local store."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    repo = get_artifact_repository(artifact_location, tracking_uri=client.tracking_uri)
+
+    def send(path: Path) -> None:
+        folder = path.parent.relative_to(local).as_posix()
+        repo.log_artifact(str(path), None if folder == "." else folder)
+
+    with ThreadPoolExecutor(max_workers=UPLOAD_WORKERS) as pool:
+        list(pool.map(send, [path for path in sorted(local.rglob("*")) if path.is_file()]))
+
+
 def upload_trial_model(client: Any, experiment_id: str, run_id: str, local: Path, retry_s: float = 0.0) -> str:
     """Log a saved model as the run's logged model (MLflow's Models column) with plain client calls; its URI. The
     files' upload is retried for `retry_s`; a model whose files never arrive is marked FAILED, and the error raised.
@@ -92,42 +114,13 @@ def upload_trial_model(client: Any, experiment_id: str, run_id: str, local: Path
 
     model = client.create_logged_model(experiment_id, name=MODEL_NAME, source_run_id=run_id)
     try:
-        with_retries(lambda: client.log_model_artifacts(model.model_id, str(local)), retry_s)
+        with_retries(lambda: upload_folder(client, model.artifact_location, local), retry_s)
     except Exception:
         client.finalize_logged_model(model.model_id, "FAILED")
         raise
     client.finalize_logged_model(model.model_id, "READY")
     client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step=0)])
     return f"models:/{model.model_id}"
-
-
-def log_trial_model(
-    client: Any, experiment_id: str, run_id: str, folder: Path, params: Params, examples: list[str], say: Any,
-    local: str,
-) -> str | None:  # fmt: skip
-    """Log the trial folder as the run's MLflow model; its URI. The upload is retried with backoff for
-    `tracking.upload_retry_s` (as the run's metrics are); then the model stays in the trial's folder (`local`, with
-    its input examples), recorded as pending on the run, and the log says so (None)."""
-    import json
-    import tempfile
-
-    from pipelines.tracking.uploads import send_or_defer
-
-    retry_s = params.tracking.upload_retry_s
-    with tempfile.TemporaryDirectory() as tmp:
-        saved = save_trial_model(folder, params, examples, Path(tmp))
-        uri = send_or_defer(
-            client,
-            run_id,
-            MODEL_NAME,
-            local,
-            lambda: upload_trial_model(client, experiment_id, run_id, saved, retry_s),
-            retry_s,
-            say,
-        )
-    if uri is None:  # what `--resume-upload` rebuilds the same model from
-        (folder / EXAMPLES_FILE).write_text(json.dumps(examples), encoding="utf-8")
-    return uri
 
 
 def register_best(tracking_uri: str, model_uri: str, name: str, task: str) -> str:
@@ -188,14 +181,30 @@ def model_to_evaluate(params: Params, root: Path, best: Path, trials: Path, tmp:
 
 
 def model_logger(logger: Any, experiment_id: str, run_id: str, trial_id: str) -> Callable[..., None]:
-    """Logs a trial's saved folder as its run's MLflow model through `logger` (a RunLogger), tagging its URI."""
-    from pipelines.tracking.uploads import TRIAL_PREFIX
+    """Logs a trial's saved folder as its run's MLflow model through `logger` (a RunLogger), tagging its URI.
+
+    The upload is retried with backoff for `tracking.upload_retry_s` (as the run's metrics are); then the model
+    stays in the trial's folder, with its input examples, recorded as pending on the run, and the log says so.
+    """
+    import json
+    import tempfile
+
+    from pipelines.tracking.uploads import TRIAL_PREFIX, Upload, send_or_defer
+
+    client = logger.client
 
     def log(folder: Path, params: Params, tokenizer: Any, test: Any, say: Callable[[str], None]) -> None:
         examples = input_examples(tokenizer, test, params.task)
-        local = f"{TRIAL_PREFIX}{trial_id}"
-        model_uri = log_trial_model(logger.client, experiment_id, run_id, folder, params, examples, say, local)
-        if model_uri is not None:
+        retry_s = params.tracking.upload_retry_s
+        with tempfile.TemporaryDirectory() as tmp:
+            saved = save_trial_model(folder, params, examples, Path(tmp))
+            send = lambda: upload_trial_model(client, experiment_id, run_id, saved, retry_s)  # noqa: E731
+            model_uri = send_or_defer(
+                client, run_id, Upload(MODEL_NAME, f"{TRIAL_PREFIX}{trial_id}", send), retry_s, say
+            )
+        if model_uri is None:  # what `--resume-upload` rebuilds the same model from
+            (folder / EXAMPLES_FILE).write_text(json.dumps(examples), encoding="utf-8")
+        else:
             logger.log_tags({MODEL_URI_TAG: model_uri})
 
     return log

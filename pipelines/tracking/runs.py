@@ -373,10 +373,10 @@ def log_evaluation(
 ) -> None:
     """Log the evaluate stage's metrics and files into the best trial's run (a file the bucket refuses stays
     pending on the run: `pipelines.tracking.uploads`)."""
-    from pipelines.tracking.uploads import send_or_defer
+    from pipelines.tracking.uploads import Upload, send_or_defer
 
     now = int(time.time() * 1000)
     client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()], synchronous=True)
     for path in artifacts:
-        upload = lambda path=path: client.log_artifact(run_id, str(path), artifact_path="evaluate")  # noqa: E731
-        send_or_defer(client, run_id, f"evaluate/{path.name}", str(path), upload, retry_s, print)
+        send = lambda path=path: client.log_artifact(run_id, str(path), artifact_path="evaluate")  # noqa: E731
+        send_or_defer(client, run_id, Upload(f"evaluate/{path.name}", str(path), send), retry_s, print)

@@ -67,14 +67,15 @@ def headline_metrics(task: str) -> tuple[str, ...]:
 
 def training_figures(client: Any, run_id: str) -> dict[str, float]:
     """The evaluated model's own training figures, from its trial's MLflow run: train time (s), peak train memory
-    (MiB), samples/s and the host's load per core while it trained (above 1, its times were taken under load), for
+    (MiB), samples/s, the host's load per core while it trained (above 1, its times were taken under load) and how
+    many trials of the project trained on the host at once (`concurrent_trials`, above 1: the cores were shared), for
     the headline of `dvc exp show`. A registered version evaluated in place of
     models/best (`eval.model_uri`) brings its own run's figures, not this train run's."""
     logged = client.get_run(run_id).data.metrics
     figures = {k: logged[k] for k in ("train_time_s",) if k in logged}
     if "peak_train_memory_bytes" in logged:
         figures["peak_train_memory_mib"] = round(logged["peak_train_memory_bytes"] / 2**20, 1)
-    figures.update({k: logged[k] for k in ("samples_per_s", "host_load_per_core") if k in logged})
+    figures.update({k: logged[k] for k in ("samples_per_s", "host_load_per_core", "concurrent_trials") if k in logged})
     return figures
 
 

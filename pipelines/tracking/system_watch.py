@@ -62,7 +62,9 @@ class SystemWatch:
                     self.gaps.append((lost_at, time.time()))
                 return
             self.gaps.append((lost_at, time.time()))
-            self.monitor = self._start_monitor(self.monitor._logging_step)
+            stopped = self.monitor
+            self.monitor = self._start_monitor(stopped._logging_step)
+            _send_buffered(stopped)  # what it sampled before the outage and could not send
 
     def finish(self) -> None:
         """Stop watching and sampling; record the gaps on the run (best effort: the run's results do not depend on
@@ -72,6 +74,14 @@ class SystemWatch:
         self.monitor.finish()
         if not self.gaps:
             return
+        # A monitor restarted near the run's end may not have published yet (it publishes after each interval):
+        # one last sample, so the run's system metrics reach past the outage.
+        try:
+            self.monitor.collect_metrics()
+            self.monitor.publish_metrics(self.monitor.aggregate_metrics())
+        except Exception:  # noqa: BLE001 - best effort, like the monitor itself
+            pass
+        _send_buffered(self.monitor)
         from mlflow.tracking import MlflowClient
 
         spans = "; ".join(f"{_utc(start)} to {_utc(end)}" for start, end in self.gaps)
@@ -81,6 +91,14 @@ class SystemWatch:
             client.log_metric(self.run_id, GAP_METRIC, sum(end - start for start, end in self.gaps))
         except Exception:  # noqa: BLE001 - the server is gone again: nothing more can be said to it
             pass
+
+
+def _send_buffered(monitor: Any) -> None:
+    """Send the samples a monitor recorded but had not sent (best effort)."""
+    try:
+        monitor.mlflow_logger.flush()
+    except Exception:  # noqa: BLE001 - the server is gone again
+        pass
 
 
 def _utc(seconds: float) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 PENDING_TAG = "upload.pending"
@@ -49,19 +50,27 @@ def set_pending(client: Any, run_id: str, entries: dict[str, str]) -> None:
         client.delete_tag(run_id, PENDING_TAG)
 
 
-def send_or_defer(
-    client: Any, run_id: str, artifact: str, local: str, upload: Callable[[], Result], retry_s: float,
-    say: Callable[[str], None],
-) -> Result | None:  # fmt: skip
-    """`upload()` with retries; if the bucket still fails, record `artifact` as pending on the run (kept at
-    `local`), say which and how to send it later, and return None."""
+@dataclass(frozen=True)
+class Upload:
+    """One artifact to send: its path on the run, where its file is kept if the bucket refuses it, and the call
+    that sends it."""
+
+    artifact: str
+    local: str
+    send: Callable[[], Any]
+
+
+def send_or_defer(client: Any, run_id: str, upload: Upload, retry_s: float, say: Callable[[str], None]) -> Any:
+    """`upload.send()` with retries; if the bucket still fails, record the artifact as pending on the run (kept at
+    `upload.local`), say which and how to send it later, and return None."""
     try:
-        return with_retries(upload, retry_s)
+        return with_retries(upload.send, retry_s)
     except Exception as err:  # noqa: BLE001 - reported and recorded, not raised: the trial's results stand
         # Retried too: right after the proxy's 500s, the client's pooled connections were seen reset.
-        with_retries(lambda: set_pending(client, run_id, {**pending(client, run_id), artifact: local}), STORE_RETRY_S)
+        record = {upload.artifact: upload.local}
+        with_retries(lambda: set_pending(client, run_id, {**pending(client, run_id), **record}), STORE_RETRY_S)
         reason = str(err).splitlines()[0][:300] if str(err) else ""
-        say(f"could not send {artifact!r} to the artifact store after {retry_s:.0f} s of retries "
+        say(f"could not send {upload.artifact!r} to the artifact store after {retry_s:.0f} s of retries "
             f"({type(err).__name__}: {reason}); it is kept on disk and recorded on the run as {PENDING_TAG}: "
             "send it with `python -m stages.train --resume-upload`")  # fmt: skip
         return None

@@ -16,6 +16,7 @@ from typing import Any
 
 from ray import tune
 
+from pipelines.concurrency import METRIC, ConcurrentTrials, stopping
 from pipelines.errors import UserError
 from pipelines.host_load import HostLoad
 from pipelines.params import Params, apply_overrides
@@ -38,7 +39,7 @@ from pipelines.tracking.status import (
     stopped_tags,
     watch_system,
 )
-from pipelines.tracking.uploads import TRIAL_PREFIX, send_or_defer
+from pipelines.tracking.uploads import TRIAL_PREFIX, Upload, send_or_defer
 from pipelines.train.checkpoint import claim_checkpoint_dir
 from pipelines.train.memory import reset_peak_rss
 from pipelines.trial_context import FINAL_KEY, REPEAT_KEY, VARIANT_ORDER_TAG, TrialContext
@@ -111,7 +112,8 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
         params = trial_params(config, context, variant, trial_id, logger, rss_reset)
         monitors.append(watch_system(run_id, context.tracking_uri))
         host_load = HostLoad().start()  # beside the times: how busy the host was while they were taken
-        with claim_checkpoint_dir(Path(context.checkpoint_root), params) as checkpoint_dir:
+        together = ConcurrentTrials(str(Path(context.root).resolve())).start()  # and who else of ours trained
+        with claim_checkpoint_dir(Path(context.checkpoint_root), params) as checkpoint_dir, stopping(together):
             if params.distributed.num_workers > 1:
                 from pipelines.trials.distributed import run_distributed_trial
 
@@ -122,7 +124,8 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
                               make_bar=progress_bar(context.progress_bars))  # fmt: skip
                 metrics = train_and_save(trial, params)
         metrics["wall_time_s"] = time.perf_counter() - trial_start
-        metrics |= host_load.stop()
+        metrics |= host_load.stop() | together.stop()
+        logger.log_tags({METRIC: f"{metrics[METRIC]:.0f}"})
         logger.log_dict(metrics, step=int(metrics["optimizer_steps"]))
     # Reported after the run is closed: Tune may end this thread (SystemExit) once it has the last result.
     tune.report({**metrics, "mlflow_run_id": run_id, "variant": variant, FINAL_KEY: 1})
@@ -159,9 +162,9 @@ def trial_params(
         }
     )
     # The trial's folder keeps the same params.json: if the bucket fails, `--resume-upload` sends that one.
-    send_or_defer(client, run_id, PARAMS_FILE, f"{TRIAL_PREFIX}{trial_id}/{PARAMS_FILE}",
-                  lambda: client.log_text(run_id, json.dumps(params.model_dump(mode="json"), indent=2), PARAMS_FILE),
-                  params.tracking.upload_retry_s, print)  # fmt: skip
+    send = lambda: client.log_text(run_id, json.dumps(params.model_dump(mode="json"), indent=2), PARAMS_FILE)  # noqa: E731
+    upload = Upload(PARAMS_FILE, f"{TRIAL_PREFIX}{trial_id}/{PARAMS_FILE}", send)
+    send_or_defer(client, run_id, upload, params.tracking.upload_retry_s, print)
     log_datasets(client, run_id, params.data, Path(context.root), Path(context.tokenized_dir))
     logger.log_dict(context.tokenize_stats)
     if variant in context.card_sharing:  # a metric too, so the runs table and the report can sort and mark by it

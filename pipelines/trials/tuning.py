@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -32,11 +31,10 @@ from pipelines.tracking.runs import (
     start_run,
 )
 from pipelines.tracking.status import RUNS_VIEW_TAG, ended_run, log_best_on_parent, runs_view, stopped_tags
-from pipelines.tracking.uploads import send_or_defer
 from pipelines.trial_context import FINAL_KEY, REPEAT_KEY, TrialContext
 from pipelines.trials.card_share import gpu_shares, shared_resources
 from pipelines.trials.ray_cluster import init_ray, tune_console
-from pipelines.trials.unsent import BEST_DIR, OUT_PREFIX, TRIALS_FILE, keep_unsent_folders
+from pipelines.trials.unsent import BEST_DIR, keep_unsent_folders, save_summary
 
 # Keys in a trial's result that are bookkeeping (ours or Ray's), not measurements.
 _NON_METRIC_KEYS = {
@@ -241,9 +239,7 @@ def run_tuning(
         summary["registered_model"] = register_best_model(client, params, best["mlflow_run_id"], tracking_uri)
         if summary["registered_model"]:
             client.set_tag(parent_run_id, "registered_model", summary["registered_model"]["uri"])
-        (out_dir / TRIALS_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        send_or_defer(client, parent_run_id, TRIALS_FILE, OUT_PREFIX + TRIALS_FILE, lambda: client.log_artifact(
-            parent_run_id, str(out_dir / TRIALS_FILE)), params.tracking.upload_retry_s, print)  # fmt: skip
+        save_summary(client, summary, out_dir, params.tracking.upload_retry_s)
         return summary
 
 

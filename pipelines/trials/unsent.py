@@ -25,7 +25,15 @@ from pipelines.tracking.mlflow_model import (
     save_trial_model,
     upload_trial_model,
 )
-from pipelines.tracking.uploads import TRIAL_PREFIX, UNSENT_DIR, pending, set_pending, with_retries
+from pipelines.tracking.uploads import (
+    TRIAL_PREFIX,
+    UNSENT_DIR,
+    Upload,
+    pending,
+    send_or_defer,
+    set_pending,
+    with_retries,
+)
 
 BEST_DIR, TRIALS_FILE = "best", "trials.json"
 OUT_PREFIX = "out:"  # a file of the train stage's output folder (models/)
@@ -43,6 +51,15 @@ def keep_unsent_folders(client: Any, summary: dict[str, Any], staging: Path, out
             shutil.move(str(staging / trial["trial_id"]), str(out_dir / UNSENT_DIR / trial["trial_id"]))
             kept.append(trial["trial_id"])
     return kept
+
+
+def save_summary(client: Any, summary: dict[str, Any], out_dir: Path, retry_s: float) -> None:
+    """Write the trials summary to `out_dir/trials.json` and send it to the parent run (kept pending if the bucket
+    refuses it)."""
+    (out_dir / TRIALS_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    parent = summary["parent_run_id"]
+    send = lambda: client.log_artifact(parent, str(out_dir / TRIALS_FILE))  # noqa: E731
+    send_or_defer(client, parent, Upload(TRIALS_FILE, OUT_PREFIX + TRIALS_FILE, send), retry_s, print)
 
 
 def local_place(local: str, models_dir: Path, best_trial: str) -> Path:

@@ -145,6 +145,7 @@ class TeamServer:
             "[mlflow]\ndefault_permission = NO_PERMISSIONS\n"
             f"database_uri = sqlite:///{folder / 'auth.db'}\nadmin_username = admin\n"
             "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+            "auth_cache_ttl_seconds = 60\n"  # as the how-to advises: a password's hash checked once a minute
         )
 
     def start(self) -> None:

@@ -72,9 +72,12 @@ def assert_no_password_anywhere(team: TeamStack, root: Path) -> None:
 def test_two_experiments_at_once_on_the_team_server_lose_nothing(project_copy: Path, team: TeamStack):
     env = member(team)
     team_params(project_copy, team, **{"tune.variants": FOUR_VARIANTS, "tune.max_concurrent_trials": 2})
-    # Two experiments at once, each a grid of 4 variants (2 trials at a time); the second with another seed.
+    # Two experiments at once: a grid of 4 variants (2 trials at a time), and one trial with another seed (the queue
+    # takes the workspace's params as they are when it is queued).
     run(["dvc", "exp", "run", "--queue", "-n", "grid"], project_copy, env=env)
-    run(["dvc", "exp", "run", "--queue", "-n", "reseeded", "-S", "seed=7"], project_copy, env=env)
+    write_params(project_copy, {"tune.variants": {}, "seed": 7})
+    run(["dvc", "exp", "run", "--queue", "-n", "single"], project_copy, env=env)
+    run(["git", "checkout", "--", "params.yaml"], project_copy)
     run(["dvc", "queue", "start", "-j", "2"], project_copy, env=env)
     deadline = time.monotonic() + 800
     while time.monotonic() < deadline:
@@ -89,11 +92,16 @@ def test_two_experiments_at_once_on_the_team_server_lose_nothing(project_copy: P
     runs = runs_of(team)
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
-    assert sorted(p.data.tags["dvc_exp_name"] for p in parents) == ["grid", "reseeded"]  # no duplicate, none lost
-    for parent in parents:
-        mine = [c for c in children if c.data.tags["mlflow.parentRunId"] == parent.info.run_id]
-        assert sorted(c.data.tags["variant"] for c in mine) == sorted(FOUR_VARIANTS)
-    assert len(children) == 8 and all(r.info.status == "FINISHED" for r in runs)
+    assert sorted(p.data.tags["dvc_exp_name"] for p in parents) == ["grid", "single"]  # no duplicate, none lost
+    by_parent = {p.data.tags["dvc_exp_name"]: sorted(c.data.tags["variant"] for c in children
+                 if c.data.tags["mlflow.parentRunId"] == p.info.run_id) for p in parents}  # fmt: skip
+    assert by_parent == {"grid": sorted(FOUR_VARIANTS), "single": ["default"]}
+    assert len(children) == 5 and all(r.info.status == "FINISHED" for r in runs)
+    # Each trial records how many trials of the project trained on the host at once: the grid's 2 at a time at
+    # least, and the queue's -j 2 ran the other experiment beside them.
+    together = {c.data.tags["variant"]: c.data.metrics["concurrent_trials"] for c in children}
+    assert all(count >= 2 for count in together.values()), together
+    assert all(c.data.tags["concurrent_trials"] == f"{c.data.metrics['concurrent_trials']:.0f}" for c in children)
     objects = set(team.bucket.objects())
     with as_user(team.server, "admin"):
         client = MlflowClient(team.server.url)

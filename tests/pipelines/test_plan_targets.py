@@ -226,7 +226,12 @@ def test_plan_targets_gives_a_verdict_and_the_fastest_fitting_config_per_card(de
             assert entry.reserve >= 768 * 2**20 and "strategy auto" in entry.fastest
         table = target_table(name, entries)
         assert f"Target: {name}" in table and "| vanilla | fp32 |" in table and "fastest that fits the " in table
-        assert " GiB to spare | fp32 |" in table  # the verdict in plain words, then the precision it recommends
+        # The verdict in plain words, then the precision it recommends: the card's native 16-bit (fp16 on a T4,
+        # bf16 on an H100) though fp32 was written, since it fits too and is never slower.
+        native = "fp16" if name == "T4" else "bf16"
+        assert f" GiB to spare | {native} |" in table and f"train in {native}: the card's native 16-bit" in table
+        assert "TF32 for fp32 matmuls, as assumed: vanilla off" in table
+        assert max(len(line) for line in table.splitlines() if line.startswith("|")) <= 120
         assert "tier" not in table and "memory_budget" not in table  # no search jargon when no budget was set
     # This tiny model's step is launch-bound on both cards (predicted: its FLOPs take microseconds, its ops'
     # launches milliseconds), so 16-bit buys nothing and the params are kept as written, with the predicted time.
@@ -239,6 +244,34 @@ def test_plan_targets_gives_a_verdict_and_the_fastest_fitting_config_per_card(de
             "as written; peak " in plans[name]["vanilla"].advice
             and f"{spare} to spare" in plans[name]["vanilla"].advice
         )
+
+
+def test_the_plan_recommends_bf16_where_the_card_runs_it_and_its_step_times_follow_the_cards_peaks(
+    default_params, tmp_path
+):
+    from dataclasses import replace
+
+    from pipelines.gpu_profiles import GPU_PROFILES
+    from pipelines.prepare import prepare_dataset
+    from pipelines.resolve.plan_report import plan_targets
+    from pipelines.resolve.step_time import peak_flops, predict_step
+
+    params = tiny_params(default_params, **{"data.generator.num_rows": 300, "batch_size": 8, "precision": "fp32"})
+    prepare_dataset(params, tmp_path, tmp_path / "tokenized")
+    targets = [target_named(name) for name in GPU_PROFILES]
+    assert len(targets) == 8
+    plans = plan_targets(params, tmp_path, tmp_path / "tokenized", targets)
+    for name in ("L4", "A100-40GB"):  # both run bf16 natively: fp32 as written is not what the plan recommends
+        assert plans[name]["default"].recommended == "bf16", plans[name]["default"].advice
+    # Over the 8 cards, the same plan's step (made compute-bound: 10 PFLOP a step) orders as the cards' peaks do,
+    # in each precision and TF32 setting the card runs; a launch-bound step ties (the host's launch cost).
+    plan = replace(plans["L4"]["default"].plan, step_flops=1e16)
+    for precision, tf32 in (("fp32", False), ("fp32", True), ("bf16", "auto")):
+        runs = [t for t in targets if precision != "bf16" or t.card.bf16_flops]
+        steps = sorted((peak_flops(precision, t, tf32), predict_step(plan, precision, t, tf32).compiled_s)
+                       for t in runs)  # fmt: skip
+        assert all(a[1] >= b[1] for a, b in zip(steps, steps[1:], strict=False)), (precision, tf32, steps)
+        assert steps[0][1] > steps[-1][1]
 
 
 def test_the_plan_stage_plans_a_packed_run_on_its_packs_as_the_trial_does(default_params, tmp_path):

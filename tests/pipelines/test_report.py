@@ -21,7 +21,7 @@ RUNS = {
 
 def make_store(tmp_path: Path):
     client, experiment_id = open_experiment(
-        TrackingParams(uri="sqlite:///r.db", experiment="report", registered_model=None), tmp_path
+        TrackingParams(uri="sqlite:///r.db", experiment="report", registered_model=None, upload_retry_s=1), tmp_path
     )
     parent = start_run(client, experiment_id, "train", {})
     for name, metrics in RUNS.items():
@@ -159,7 +159,7 @@ def test_html_report_is_self_contained_and_shows_its_images_in_chromium(tmp_path
 
 def test_repeated_variants_show_mean_sd_and_mark_differences_beyond_the_noise(tmp_path: Path):
     client, experiment_id = open_experiment(
-        TrackingParams(uri="sqlite:///r.db", experiment="noise", registered_model=None), tmp_path
+        TrackingParams(uri="sqlite:///r.db", experiment="noise", registered_model=None, upload_retry_s=1), tmp_path
     )
     parent = start_run(client, experiment_id, "train", {})
     times = {"vanilla": [60.0, 62.0, 61.0], "slower": [90.0, 92.0, 91.0], "same": [60.5, 61.5, 62.5]}
@@ -192,7 +192,7 @@ def test_quality_columns_follow_the_task_and_trainable_params_show_once():
 def test_rows_follow_the_declared_variant_order_not_the_start_order(tmp_path: Path):
     # Concurrent trials start in any order; each trial tags its variant's place in tune.variants.
     client, experiment_id = open_experiment(
-        TrackingParams(uri="sqlite:///o.db", experiment="order", registered_model=None), tmp_path
+        TrackingParams(uri="sqlite:///o.db", experiment="order", registered_model=None, upload_retry_s=1), tmp_path
     )
     parent = start_run(client, experiment_id, "train", {})
     declared = ["vanilla", "bf16", "accumulation", "checkpointing"]
@@ -205,7 +205,7 @@ def test_rows_follow_the_declared_variant_order_not_the_start_order(tmp_path: Pa
 
 def test_a_planned_trial_shows_its_predicted_peak_and_the_error(tmp_path: Path):
     client, experiment_id = open_experiment(
-        TrackingParams(uri="sqlite:///p.db", experiment="plan", registered_model=None), tmp_path
+        TrackingParams(uri="sqlite:///p.db", experiment="plan", registered_model=None, upload_retry_s=1), tmp_path
     )
     parent = start_run(client, experiment_id, "train", {})
     for name, predicted in (("vanilla", 4e8), ("lean", 1.1e8)):
@@ -274,7 +274,7 @@ def test_each_tasks_report_renders_its_own_numbers_on_their_own_scale(tmp_path: 
 
     quality, axis_label, shown = TASK_RUNS[task]
     client, experiment_id = open_experiment(
-        TrackingParams(uri="sqlite:///r.db", experiment="report", registered_model=None), tmp_path
+        TrackingParams(uri="sqlite:///r.db", experiment="report", registered_model=None, upload_retry_s=1), tmp_path
     )
     parent = start_run(client, experiment_id, "train", {})
     run_id = start_run(client, experiment_id, "vanilla", {"variant": "vanilla", "task": task}, parent_run_id=parent)
@@ -330,6 +330,18 @@ def test_times_taken_on_a_shared_card_are_marked_with_the_count(tmp_path: Path):
     rows = {line.split(" | ")[0].strip("| "): line for line in markdown.splitlines() if line.startswith("| ")}
     assert "30.0 s † (50%)" in rows["fast"] and "†" not in rows["vanilla"]
     assert "†: timed under load (fast: card shared by 4 trials)" in markdown
+
+
+def test_times_taken_beside_other_trials_of_the_project_are_marked_with_the_count(tmp_path: Path):
+    client, experiment_id, parent = make_store(tmp_path)
+    fast = next(r for r in client.search_runs([experiment_id]) if r.info.run_name == "fast")
+    client.log_metric(fast.info.run_id, "concurrent_trials", 2.0)  # dvc queue start -j 2: another experiment trained
+    out = tmp_path / "reports"
+    out.mkdir()
+    markdown = build_report(client, experiment_id, parent, out)
+    rows = {line.split(" | ")[0].strip("| "): line for line in markdown.splitlines() if line.startswith("| ")}
+    assert "30.0 s † (50%)" in rows["fast"] and "†" not in rows["vanilla"]
+    assert "†: timed under load (fast: trained beside 1 other trial of this project on this host)" in markdown
 
 
 def test_a_one_variant_run_is_compared_with_the_last_commits_best_trial(tmp_path: Path):

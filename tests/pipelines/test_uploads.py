@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 from pipelines.errors import UserError
 from pipelines.params import TrackingParams
 from pipelines.tracking.access import refusal
-from pipelines.tracking.uploads import PENDING_TAG, pending, send_or_defer, with_retries
+from pipelines.tracking.uploads import PENDING_TAG, Upload, pending, send_or_defer, with_retries
 from pipelines.trials.unsent import local_place, resume_upload
 
 TRACKING = TrackingParams(uri="http://10.0.0.5:5000", experiment="finetune", registered_model=None, upload_retry_s=1)
@@ -56,11 +56,12 @@ def test_a_refused_upload_is_recorded_on_its_run_and_said(store):
     def down() -> None:
         raise ConnectionError("bucket down")
 
-    assert send_or_defer(client, run_id, "model", "trial:t1", down, 0.0, said.append) is None
-    assert send_or_defer(client, run_id, "params.json", "trial:t1/params.json", down, 0.0, said.append) is None
+    assert send_or_defer(client, run_id, Upload("model", "trial:t1", down), 0.0, said.append) is None
+    params_file = Upload("params.json", "trial:t1/params.json", down)
+    assert send_or_defer(client, run_id, params_file, 0.0, said.append) is None
     assert pending(client, run_id) == {"model": "trial:t1", "params.json": "trial:t1/params.json"}
     assert "could not send 'model'" in said[0] and "--resume-upload" in said[0] and "bucket down" in said[0]
-    assert send_or_defer(client, run_id, "x", "x", lambda: "ok", 0.0, said.append) == "ok" and len(said) == 2
+    assert send_or_defer(client, run_id, Upload("x", "x", lambda: "ok"), 0.0, said.append) == "ok" and len(said) == 2
 
 
 def test_kept_places_resolve_to_the_best_folder_the_unsent_folder_or_the_outputs(tmp_path: Path):
