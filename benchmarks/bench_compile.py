@@ -63,7 +63,7 @@ def one_run(model_name: str, run: str, rows: int, seed: int, data_dir: Path) -> 
     from pipelines.resolve.preflight import trial_planner
     from pipelines.resolve.step_time import predict_compile
     from pipelines.tasks import get_task
-    from pipelines.train.engine import train_model
+    from pipelines.train.engine import TrainRequest, train_model
 
     params = params_for(model_name, rows, seed)
     if not (data_dir / "train").exists():
@@ -76,9 +76,20 @@ def one_run(model_name: str, run: str, rows: int, seed: int, data_dir: Path) -> 
     torch.manual_seed(seed)
     model = task.build_model(params, tokenizer, data_dir, REPO_ROOT)
     params = apply_overrides(params, {"compile": run != "eager"})
-    result = train_model(model, train, None, params, pad_id=int(tokenizer.pad_token_id), device=torch.device("cpu"),
-                         precision="fp32", task=task, say=lambda _: None,
-                         compile_prediction=None if predicted is None else predicted[1])  # fmt: skip
+    result = train_model(
+        TrainRequest(
+            model,
+            train,
+            None,
+            params,
+            pad_id=int(tokenizer.pad_token_id),
+            device=torch.device("cpu"),
+            precision="fp32",
+            task=task,
+            say=lambda _: None,
+            compile_prediction=None if predicted is None else predicted[1],
+        )
+    )
     m = result.metrics
     out: dict[str, float | str] = {
         "compile_time_s": m["compile_time_s"],

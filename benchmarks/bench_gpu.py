@@ -171,7 +171,7 @@ def run_ours(
     from pipelines.runtime import resolve_precision, resolve_tf32
     from pipelines.tasks import get_task
     from pipelines.tasks.classification_scoring import evaluate_model
-    from pipelines.train.engine import train_model
+    from pipelines.train.engine import TrainRequest, train_model
     from pipelines.train.flops import flops_metrics
 
     free_device_memory()
@@ -183,10 +183,10 @@ def run_ours(
     model = adapt(make_model())
     precision = resolve_precision(params, device)
     start = time.perf_counter()
-    result = train_model(
+    result = train_model(TrainRequest(
         model, train, None, params, pad_id=meta["pad_id"], device=device, precision=precision,
         say=lambda m: print(f"  {m}", file=sys.stderr), task=task,
-    )  # fmt: skip
+    ))  # fmt: skip
     wall = time.perf_counter() - start
     m = result.metrics
     tf32 = resolve_tf32(params, precision, device)

@@ -94,7 +94,7 @@ class Bench:
         from pipelines.resolve.step_time import predict_compile
         from pipelines.resolve.target import as_target
         from pipelines.tasks import get_task
-        from pipelines.train.engine import train_model
+        from pipelines.train.engine import TrainRequest, train_model
 
         free_device_memory()
         params = params_for({**self.base, "compile": compile_setting}, self.device, self.smoke)
@@ -104,9 +104,20 @@ class Bench:
         step, prediction = predict_compile(plan, target.precision(params), target, params.tf32) or (None, None)
         torch.manual_seed(params.seed)
         model = self.make()
-        result = train_model(model, self.train, None, params, pad_id=self.meta["pad_id"], device=self.device,
-                             precision=target.precision(params), say=lambda m: print(f"  {m}", file=sys.stderr),
-                             task=task, compile_prediction=prediction)  # fmt: skip
+        result = train_model(
+            TrainRequest(
+                model,
+                self.train,
+                None,
+                params,
+                pad_id=self.meta["pad_id"],
+                device=self.device,
+                precision=target.precision(params),
+                say=lambda m: print(f"  {m}", file=sys.stderr),
+                task=task,
+                compile_prediction=prediction,
+            )
+        )
         m, compiled = result.metrics, result.notes["compile.resolved"].startswith("on")
         predicted = None if step is None else 1000 * (step.compiled_s if compiled else step.eager_s)
         # The trial's own peak (never a window of the bench's: after a CUDA graph's recording the allocator sees no

@@ -246,7 +246,7 @@ def run_one(name: str, work: Path, folder: Path, seed: int) -> dict[str, Any]:
     from pipelines.data.tokenization import TOKENIZER_DIR, TokenizedSplit
     from pipelines.recipe import seed_everything
     from pipelines.tasks import get_task
-    from pipelines.train.engine import train_model
+    from pipelines.train.engine import TrainRequest, train_model
     from pipelines.train.memory import peak_rss_bytes
 
     engine, overrides = ALL_CONFIGS[name]
@@ -264,15 +264,17 @@ def run_one(name: str, work: Path, folder: Path, seed: int) -> dict[str, Any]:
         model = apply_adapter(model, params.adapter, task)
         start = time.perf_counter()
         trained = train_model(
-            model,
-            train,
-            None,
-            params,
-            pad_id=tokenizer.pad_token_id,
-            device=torch.device("cpu"),
-            precision=params.precision,
-            say=lambda _: None,
-            task=task,
+            TrainRequest(
+                model,
+                train,
+                None,
+                params,
+                pad_id=tokenizer.pad_token_id,
+                device=torch.device("cpu"),
+                precision=params.precision,
+                say=lambda _: None,
+                task=task,
+            )
         )
         m = trained.metrics
         result = {

@@ -32,7 +32,7 @@ def run_one(lr: float | str, tokenized: Path, root: Path, rule: str | None = Non
     from pipelines.resolve.lr_range import resolve_lr
     from pipelines.runtime import resolve_runtime
     from pipelines.tasks import get_task
-    from pipelines.train.engine import train_model
+    from pipelines.train.engine import TrainRequest, train_model
 
     overrides: dict[str, Any] = {"lr": lr, "device": "cpu"}
     if rule is not None:
@@ -49,10 +49,10 @@ def run_one(lr: float | str, tokenized: Path, root: Path, rule: str | None = Non
         params, model, train, resolve_runtime(params, torch.device("cpu"), tokenizer.pad_token_id, "fp32"), task
     )
     sweep_s = time.perf_counter() - start
-    result = train_model(
+    result = train_model(TrainRequest(
         model, train, TokenizedSplit.load(tokenized / "validation"), params,
         pad_id=tokenizer.pad_token_id, device=torch.device("cpu"), precision="fp32", task=task,
-    )  # fmt: skip
+    ))  # fmt: skip
     test = TokenizedSplit.load(tokenized / "test")
     metrics = task.evaluate(
         model,

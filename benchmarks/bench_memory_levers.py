@@ -99,7 +99,7 @@ def run_one(work: Path, folder: Path, mode: str, config: str) -> dict[str, Any]:
     from pipelines.recipe import seed_everything
     from pipelines.resolve.memory_plan import plan_memory
     from pipelines.tasks import get_task
-    from pipelines.train.engine import train_model
+    from pipelines.train.engine import TrainRequest, train_model
 
     params = params_for(folder, work / "source", mode, config)
     torch.set_num_threads(2)
@@ -118,8 +118,19 @@ def run_one(work: Path, folder: Path, mode: str, config: str) -> dict[str, Any]:
     plan_s = time.perf_counter() - start
     seed_everything(params.seed)
     model = adapt(task.build_model(params, tokenizer, tokenized, REPO_ROOT))
-    trained = train_model(model, train, None, params, pad_id=tokenizer.pad_token_id, device=torch.device("cpu"),
-                          precision="fp32", say=lambda _: None, task=task)  # fmt: skip
+    trained = train_model(
+        TrainRequest(
+            model,
+            train,
+            None,
+            params,
+            pad_id=tokenizer.pad_token_id,
+            device=torch.device("cpu"),
+            precision="fp32",
+            say=lambda _: None,
+            task=task,
+        )
+    )
     m = trained.metrics
     return {
         "peak_train_memory_mb": m["peak_train_memory_bytes"] / 2**20,

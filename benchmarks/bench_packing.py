@@ -71,7 +71,7 @@ def run_one(name: str, work: Path, folder: Path, seed: int) -> dict[str, Any]:
     from pipelines.data.tokenization import TOKENIZER_DIR, TokenizedSplit
     from pipelines.recipe import seed_everything
     from pipelines.tasks import get_task
-    from pipelines.train.engine import train_model
+    from pipelines.train.engine import TrainRequest, train_model
 
     params = bench_params(folder, work / "source", seed=seed, **CONFIGS[name])
     torch.set_num_threads(2)
@@ -84,15 +84,17 @@ def run_one(name: str, work: Path, folder: Path, seed: int) -> dict[str, Any]:
     rows = task.training_split(train, params, model)
     start = time.perf_counter()
     trained = train_model(
-        model,
-        rows,
-        None,
-        params,
-        pad_id=tokenizer.pad_token_id,
-        device=torch.device("cpu"),
-        precision=params.precision,
-        say=lambda _: None,
-        task=task,
+        TrainRequest(
+            model,
+            rows,
+            None,
+            params,
+            pad_id=tokenizer.pad_token_id,
+            device=torch.device("cpu"),
+            precision=params.precision,
+            say=lambda _: None,
+            task=task,
+        )
     )
     wall = time.perf_counter() - start
     m = trained.metrics

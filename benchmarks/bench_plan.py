@@ -54,7 +54,7 @@ def run_one(name: str, data: Path, model_path: Path, rows: int) -> dict[str, Any
     from pipelines.model import build_model
     from pipelines.resolve.memory_plan import plan_memory
     from pipelines.tasks import get_task
-    from pipelines.train.engine import train_model
+    from pipelines.train.engine import TrainRequest, train_model
 
     params = ag_news_params(model_path, **{**BASE, **STRATEGIES[name]})
     torch.set_num_threads(2)
@@ -73,8 +73,8 @@ def run_one(name: str, data: Path, model_path: Path, rows: int) -> dict[str, Any
     plan_s = time.perf_counter() - start
     torch.manual_seed(params.seed)
     model = adapt(build())
-    m = train_model(model, train, None, params, pad_id=tokenizer.pad_token_id, device=torch.device("cpu"),
-                    precision=params.precision, say=lambda _: None, task=task).metrics  # fmt: skip
+    m = train_model(TrainRequest(model, train, None, params, pad_id=tokenizer.pad_token_id, device=torch.device("cpu"),
+                    precision=params.precision, say=lambda _: None, task=task)).metrics  # fmt: skip
     return {
         "predicted_peak_mb": plan.peak / 2**20,
         "measured_peak_mb": m["peak_train_memory_bytes"] / 2**20,

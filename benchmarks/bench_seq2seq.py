@@ -61,7 +61,7 @@ def run_one(name: str, data: Path, epochs: int) -> dict[str, float]:
     from pipelines.data.tokenization import TOKENIZER_DIR, TokenizedSplit
     from pipelines.recipe import seed_everything
     from pipelines.tasks import get_task
-    from pipelines.train.engine import train_model
+    from pipelines.train.engine import TrainRequest, train_model
 
     params = params_for(epochs, **CONFIGS[name])
     torch.set_num_threads(2)
@@ -71,15 +71,17 @@ def run_one(name: str, data: Path, epochs: int) -> dict[str, float]:
     model = task.build_model(params, tokenizer, data, REPO_ROOT)
     train = TokenizedSplit.load(data / "train")
     result = train_model(
-        model,
-        train,
-        None,
-        params,
-        pad_id=tokenizer.pad_token_id,
-        device=torch.device("cpu"),
-        precision=params.precision,
-        say=lambda _: None,
-        task=task,
+        TrainRequest(
+            model,
+            train,
+            None,
+            params,
+            pad_id=tokenizer.pad_token_id,
+            device=torch.device("cpu"),
+            precision=params.precision,
+            say=lambda _: None,
+            task=task,
+        )
     )
     if params.grad_checkpointing:
         model.activation_checkpointing_disable()

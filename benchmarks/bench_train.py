@@ -81,18 +81,20 @@ def prepare(model_path: Path, out: Path) -> None:
 def run_ours(params, model, train, test, pad_id: int) -> dict[str, float]:
     from pipelines.tasks import get_task
     from pipelines.tasks.classification_scoring import evaluate_model
-    from pipelines.train.engine import train_model
+    from pipelines.train.engine import TrainRequest, train_model
 
     start = time.perf_counter()
     result = train_model(
-        model,
-        train,
-        None,
-        params,
-        pad_id=pad_id,
-        device=torch.device("cpu"),
-        precision=params.precision,
-        say=lambda _: None,
+        TrainRequest(
+            model,
+            train,
+            None,
+            params,
+            pad_id=pad_id,
+            device=torch.device("cpu"),
+            precision=params.precision,
+            say=lambda _: None,
+        )
     )
     wall = time.perf_counter() - start
     names = ["1", "2", "3", "4"]

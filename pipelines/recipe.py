@@ -38,7 +38,7 @@ from pipelines.tasks import get_task
 from pipelines.tasks.base import Task
 from pipelines.train.checkpoint import discard
 from pipelines.train.compiled_step import use_cache
-from pipelines.train.engine import TrainResult, run_training
+from pipelines.train.engine import TrainRequest, TrainResult, run_training
 from pipelines.train.flops import flops_metrics
 from pipelines.trial_context import FINAL_KEY, QUALITY_TAG, TrialContext
 
@@ -234,18 +234,9 @@ def train(trial: Trial, setup: Setup, resolved: ResolvedTraining) -> TrainResult
         resume_messages.append(message)
 
     validation = TokenizedSplit.load(Path(trial.context.tokenized_dir) / "validation")
-    result = run_training(
-        setup.model,
-        setup.train,
-        validation,
-        params,
-        resolved.runtime,
-        on_log=on_log,
-        on_epoch_end=on_epoch_end,
-        checkpoint_dir=trial.checkpoint_dir,
-        say=say,
-        task=setup.task,
-    )
+    request = TrainRequest(setup.model, setup.train, validation, params, task=setup.task, on_log=on_log,
+                           on_epoch_end=on_epoch_end, checkpoint_dir=trial.checkpoint_dir, say=say)  # fmt: skip
+    result = run_training(request, resolved.runtime)
     progress.close()
     logger.log_tags({"checkpoint": " / ".join(resume_messages), **result.notes})
     log_compile_blob(logger, result.notes.get("compile.blob"))

@@ -39,6 +39,7 @@ class TrialContext:
     tokenize_stats: dict[str, float]
     progress_bars: bool = False  # the driver's stdout is a terminal: draw a bar per trial
     card_sharing: dict[str, int] = field(default_factory=dict)  # variant -> trials to a card (gpu: auto), else none
+    experiment_name: str = ""  # the DVC experiment's name (DVC_EXP_NAME), which each trial's run name ends with
 
     @property
     def fallback_dir(self) -> Path:

@@ -87,7 +87,7 @@ def log_best_on_parent(client: Any, parent_run_id: str, task: str, best: dict[st
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    keys = [*headline_metrics(task), "samples_per_s"]
+    keys = [*headline_metrics(task), "peak_train_memory_mib", "samples_per_s"]
     client.log_batch(parent_run_id, metrics=[Metric(k, float(best[k]), now, 0) for k in keys if k in best])
 
 
@@ -110,12 +110,17 @@ RUNS_VIEW_KEY = "training"
 RUNS_VIEW_TAG = f"mlflow.sharedViewState.{RUNS_VIEW_KEY}"
 
 
+def view_metrics(task: str) -> tuple[str, ...]:
+    """The headline as the runs table shows it: the peak memory in MiB, as DVC and the report show it."""
+    return tuple("peak_train_memory_mib" if key == "peak_train_memory_bytes" else key for key in headline_metrics(task))
+
+
 def runs_view(task: str) -> str:
     """The runs page's view for `task` (the tag's JSON): the headline figures the parent runs carry (the best
     trial's quality, train time, peak memory, samples/s) and each trial's logged model."""
     import json
 
-    keys = [*headline_metrics(task), "samples_per_s"]
+    keys = [*view_metrics(task), "samples_per_s"]
     # The Dataset column is left to the Columns menu: the widest, it pushed the figures off a 1600-pixel screen.
     columns = [*(f"metrics.`{key}`" for key in keys), "attributes.`Models`"]
     return json.dumps({"selectedColumns": columns, "orderByKey": "attributes.start_time", "orderByAsc": False})

@@ -12,25 +12,23 @@ allocator's peak over the training segments.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from pipelines.data.batching import HOST_COUNTS
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.params import Params
-from pipelines.runtime import ResolvedPrecision, Runtime, resolve_runtime
-from pipelines.train.compiled_step import CompilePrediction, resolve_compile
+from pipelines.runtime import Runtime, resolve_runtime
+from pipelines.train.compiled_step import resolve_compile
 from pipelines.train.fast_dropout import FastDropoutUse, fast_dropout
 from pipelines.train.memory_levers import resolve_loss
 from pipelines.train.parallel import uses_fsdp
+from pipelines.train.request import TrainRequest
 from pipelines.train.results import world
-from pipelines.train.trainer import EpochFn, LogFn, Trainer
+from pipelines.train.trainer import Trainer
 
 if TYPE_CHECKING:
     from pipelines.tasks.base import Task
@@ -45,60 +43,33 @@ class TrainResult:
     notes: dict[str, str] = field(default_factory=dict)
 
 
-def train_model(
-    model: nn.Module,
-    train: TokenizedSplit,
-    validation: TokenizedSplit | None,
-    params: Params,
-    *,
-    pad_id: int,
-    device: torch.device,
-    precision: ResolvedPrecision,
-    on_log: LogFn | None = None,
-    on_epoch_end: EpochFn | None = None,
-    checkpoint_dir: Path | None = None,
-    say: Callable[[str], None] = print,
-    task: Task | None = None,
-    compile_prediction: CompilePrediction | None = None,
-) -> TrainResult:
-    """Train `model` in place for `params.epochs` on `device` in `precision`, and return what was measured.
+def train_model(request: TrainRequest) -> TrainResult:
+    """Train `request.model` in place for `params.epochs` on its device in its precision; what was measured.
 
     The entry point for callers outside a trial (benchmarks, tests): the training split (packed with
-    data.packing) and the runtime are resolved here from `params`, then `run_training` trains. `task` defaults
-    to the one `params.task` names. `compile: auto` is decided by `compile_prediction` (a trial's comes from its
-    plan: `pipelines.resolve.step_time.predict_compile`); without one it is off.
+    data.packing) and the runtime are resolved here from the request, then `run_training` trains. `compile: auto`
+    is decided by `request.compile_prediction` (a trial's comes from its plan:
+    `pipelines.resolve.step_time.predict_compile`); without one it is off.
     """
-    task = task or _named_task(params)
-    train = task.training_split(train, params, model)  # packs, with data.packing (a trial packs in its setup)
-    runtime = replace(resolve_runtime(params, device, pad_id, precision), loss=resolve_loss(model, params, task))
-    params, runtime, choice = resolve_compile(params, runtime, train, task, model, compile_prediction)
-    result = run_training(model, train, validation, params, runtime, on_log=on_log, on_epoch_end=on_epoch_end,
-                          checkpoint_dir=checkpoint_dir, say=say, task=task)  # fmt: skip
+    params, model = request.params, request.model
+    task = request.task or _named_task(params)
+    train = task.training_split(request.train, params, model)  # packs, with data.packing (a trial packs in setup)
+    runtime = replace(resolve_runtime(params, request.device, request.pad_id, request.precision),
+                      loss=resolve_loss(model, params, task))  # fmt: skip
+    params, runtime, choice = resolve_compile(params, runtime, train, task, model, request.compile_prediction)
+    result = run_training(replace(request, train=train, params=params, task=task), runtime)
     result.notes["compile.resolved"] = choice.tag()
     if choice.enabled and choice.predicted_s is not None:
         result.metrics["predicted_compile_time_s"] = choice.predicted_s
     return result
 
 
-def run_training(
-    model: nn.Module,
-    train: TokenizedSplit,
-    validation: TokenizedSplit | None,
-    params: Params,
-    runtime: Runtime,
-    *,
-    task: Task,
-    on_log: LogFn | None = None,
-    on_epoch_end: EpochFn | None = None,
-    checkpoint_dir: Path | None = None,
-    say: Callable[[str], None] = print,
-) -> TrainResult:
-    """Train `model` in place for `params.epochs` with a resolved `runtime`, and return what was measured.
+def run_training(request: TrainRequest, runtime: Runtime) -> TrainResult:
+    """Train `request.model` in place for `params.epochs` with a resolved `runtime`; what was measured.
 
-    `train` is the training split as trained (`Task.training_split`: packed with data.packing), resolved before.
-
-    `task` gives the batches' labels, the loss and the validation metrics; the loop itself is the same for every
-    task.
+    `request.train` is the training split as trained (`Task.training_split`: packed with data.packing), resolved
+    before, and `request.task` is set: it gives the batches' labels, the loss and the validation metrics; the loop
+    itself is the same for every task.
 
     `validation` (when given) is scored at every epoch's end, on its own clock (`val_time_s`).
 
@@ -110,17 +81,17 @@ def run_training(
     checkpoints, and the logged loss and final metrics are reduced across ranks.
     """
     setup_start = time.perf_counter()
+    model, params, task = request.model, request.params, request.task
+    assert task is not None, "run_training needs the request's task (train_model resolves it)"
     device = runtime.device
     if not uses_fsdp(params, world()[1]):
         model.to(device)  # under FSDP the shards go to the device, and the whole model stays on the host
     # Inductor draws its own fused dropout masks under compile; CUDA's dropout is already fused.
     use_fast_dropout = params.fast_dropout and device.type == "cpu" and params.compile is not True
-    probe = _probe_inputs(train, runtime.pad_id, task, params) if use_fast_dropout else None
+    probe = _probe_inputs(request.train, runtime.pad_id, task, params) if use_fast_dropout else None
     with fast_dropout(model, probe, bf16=runtime.precision == "bf16") if use_fast_dropout else nullcontext() as use:
         notes = {"fast_dropout": use.describe() if isinstance(use, FastDropoutUse) else "off"}
-        trainer = Trainer(model, train, validation, params, runtime=runtime, on_log=on_log, on_epoch_end=on_epoch_end,
-                          checkpoint_dir=checkpoint_dir, say=say, task=task)  # fmt: skip
-        metrics, state, trainer_notes = trainer.run(setup_start)
+        metrics, state, trainer_notes = Trainer(request, runtime).run(setup_start)
     return TrainResult(metrics=metrics, history=state.history, notes={**trainer_notes, **notes})
 
 

@@ -11,19 +11,16 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from pipelines.data.loader import in_process, make_collator, make_loader, to_device
-from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
-from pipelines.params import Params
 from pipelines.runtime import Runtime
 from pipelines.train.checkpoint import LoopState, find_resumable, restore, save_checkpoint
 from pipelines.train.compile_warmup import compile_and_warm, row_units
@@ -34,6 +31,7 @@ from pipelines.train.memory_levers import apply_memory_levers
 from pipelines.train.optim import build_optimizer, build_scheduler, create_fresh_state
 from pipelines.train.out_of_memory import OUT_OF_MEMORY, recover_from_out_of_memory
 from pipelines.train.parallel import gather_full_weights, replicate, shard, uses_fsdp
+from pipelines.train.request import EpochFn, LogFn, TrainRequest  # noqa: F401 - LogFn, EpochFn: re-exported
 from pipelines.train.results import all_reduce, final_metrics, reduce_final_metrics, world
 from pipelines.train.step import StepOutcome, TrainStep, make_scaler
 from pipelines.train.validation import evaluate_split
@@ -47,11 +45,9 @@ from pipelines.train.windows import (
 )
 
 if TYPE_CHECKING:
-    from pipelines.tasks.base import Task
+    pass
 
 # (optimizer step, logged point: loss, lr, ... plus total_steps and rows_timed for progress displays)
-LogFn = Callable[[int, dict[str, float]], None]
-EpochFn = Callable[[int, int, dict[str, float]], None]  # (epoch, optimizer step, validation metrics)
 
 
 class NonFiniteLoss(UserError):
@@ -89,23 +85,13 @@ def current_lr(optimizer: torch.optim.Optimizer) -> float:
 class Trainer:
     """One run of the loop over `params.epochs`, on the model it is given (trained in place)."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        train: TokenizedSplit,
-        validation: TokenizedSplit | None,
-        params: Params,
-        *,
-        runtime: Runtime,
-        on_log: LogFn | None,
-        on_epoch_end: EpochFn | None,
-        checkpoint_dir: Path | None,
-        say: Callable[[str], None],
-        task: Task,
-    ) -> None:
-        self.train, self.validation, self.params, self.runtime = train, validation, params, runtime
+    def __init__(self, request: TrainRequest, runtime: Runtime) -> None:
+        model, train, params, task = request.model, request.train, request.params, request.task
+        assert task is not None, "the Trainer needs the request's task (train_model resolves it)"
+        checkpoint_dir, say = request.checkpoint_dir, request.say
+        self.train, self.validation, self.params, self.runtime = train, request.validation, params, runtime
         self.device, self.task, self.say = runtime.device, task, say
-        self.on_log, self.on_epoch_end, self.checkpoint_dir = on_log, on_epoch_end, checkpoint_dir
+        self.on_log, self.on_epoch_end, self.checkpoint_dir = request.on_log, request.on_epoch_end, checkpoint_dir
         device, precision = runtime.device, runtime.precision
         model.train()
         # Frozen weights in the compute dtype, checkpointing and kernels; the offload's context.

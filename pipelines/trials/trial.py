@@ -55,13 +55,27 @@ def trial_overrides(config: dict[str, Any], variants: dict[str, dict[str, Any]])
     return overrides
 
 
-def trial_run_name(config: dict[str, Any], base_seed: int) -> str:
-    """What a trial varies, as its MLflow run name: its variant, its seed, then each searched value
-    (`adafactor · seed 43 · lr=0.0003`), so the runs table says what each row is without opening it."""
+def trial_run_name(config: dict[str, Any], base_seed: int, experiment: str = "") -> str:
+    """What a trial varies, as its MLflow run name: its variant, its seed, then each searched value, then the DVC
+    experiment it belongs to (`adafactor · seed 43 · lr=0.0003 · exp-1a2b3`), so the runs table and the compare
+    view say what each row is, and tell two experiments' trials apart, without opening them."""
     seed = config.get("seed", base_seed)
     searched = [f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in config.items()
                 if k not in ("variant", "seed", REPEAT_KEY)]  # fmt: skip
-    return " · ".join([str(config.get("variant", "default")), f"seed {seed}", *searched])
+    return " · ".join([str(config.get("variant", "default")), f"seed {seed}", *searched, *filter(None, [experiment])])
+
+
+# The figures MLflow's runs table shows, to a meaningful precision (it prints floats whole): times to the ms,
+# rates to 0.1/s. The peak memory also in MiB, as DVC and the report show it.
+SHOWN_DIGITS = {"train_time_s": 3, "wall_time_s": 3, "samples_per_s": 1, "tokens_per_s": 1, "eval_samples_per_s": 1}
+
+
+def shown_figures(metrics: dict[str, float]) -> dict[str, float]:
+    """`metrics` with the runs table's figures rounded and `peak_train_memory_mib` added."""
+    out = {k: round(v, SHOWN_DIGITS[k]) if k in SHOWN_DIGITS else v for k, v in metrics.items()}
+    if "peak_train_memory_bytes" in out:
+        out["peak_train_memory_mib"] = round(out["peak_train_memory_bytes"] / 2**20, 1)
+    return out
 
 
 def run_trial(config: dict[str, Any], context: TrialContext) -> None:
@@ -77,7 +91,7 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
     run_id = start_run(
         client,
         context.experiment_id,
-        trial_run_name(config, int(context.params.get("seed", 0))),
+        trial_run_name(config, int(context.params.get("seed", 0)), context.experiment_name),
         {
             "variant": variant,
             # Trials finish (and start) in any order when they run concurrently; the report orders
@@ -124,7 +138,7 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
                               make_bar=progress_bar(context.progress_bars))  # fmt: skip
                 metrics = train_and_save(trial, params)
         metrics["wall_time_s"] = time.perf_counter() - trial_start
-        metrics |= host_load.stop() | together.stop()
+        metrics = shown_figures(metrics | host_load.stop() | together.stop())
         logger.log_tags({METRIC: f"{metrics[METRIC]:.0f}"})
         logger.log_dict(metrics, step=int(metrics["optimizer_steps"]))
     # Reported after the run is closed: Tune may end this thread (SystemExit) once it has the last result.

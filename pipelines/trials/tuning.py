@@ -206,6 +206,7 @@ def run_tuning(
         scheduler=params.tune.scheduler,
         tokenize_stats=tokenize_stats,
         progress_bars=sys.stdout.isatty(),
+        experiment_name=tags["dvc_exp_name"],
     )
     # MLflow is the tracker, so Tune writes only the result files its ResultGrid reads back (JSON, CSV), not
     # TensorBoard event files, whose logger also printed a TensorBoard hint on every run.

@@ -80,7 +80,7 @@ def test_strategy_grid_in_one_dvc_repro_reports_relative_to_vanilla(project_copy
         compared = compare_view_metrics(url, experiment_id, trial_ids)
     assert compared == ["test_accuracy"], compared
     assert "Models" in sidebar[0] and "Judges" not in sidebar[0], sidebar  # Model training's menu, not GenAI's
-    for column in ("test_accuracy", "train_time_s", "peak_train_memory_bytes"):  # the headline, as columns
+    for column in ("test_accuracy", "train_time_s", "peak_train_memory_mib"):  # the headline, as columns (MiB)
         assert column in sidebar[1], sidebar[1]
     assert len(trial_ids) == len(STRATEGIES)
     # Each trial's row is named by what it varies: its variant and seed.
@@ -124,8 +124,11 @@ def test_queued_experiment_lands_in_the_repository_store(project_copy: Path):
     assert parent.data.tags["dvc_exp_name"]  # the DVC experiment's name is on the parent run
     assert parent.info.run_name == parent.data.tags["dvc_exp_name"]  # and names it, as `dvc exp show` does
     # The runs table lists parents: each carries its best trial's headline figures, so it has columns to compare by.
-    for key in ("train_time_s", "peak_train_memory_bytes", "samples_per_s"):
+    for key in ("train_time_s", "peak_train_memory_bytes", "peak_train_memory_mib", "samples_per_s"):
         assert parent.data.metrics[key] == queued[0].data.metrics[key], key
+    assert queued[0].data.metrics["samples_per_s"] == round(queued[0].data.metrics["samples_per_s"], 1)
     assert parent.data.metrics["test_accuracy"] > 0
     # A trial's run name says what it varies: its variant and its seed (and any searched value).
     assert queued[0].info.run_name.startswith("default · seed "), queued[0].info.run_name
+    # ...and ends with its DVC experiment's name, so two experiments' trials are told apart in the compare view.
+    assert queued[0].info.run_name.endswith(f" · {parent.data.tags['dvc_exp_name']}"), queued[0].info.run_name

@@ -20,7 +20,7 @@ from pipelines.data.tokenization import TokenizedSplit
 from pipelines.resolve import batch_size as auto
 from pipelines.runtime import Runtime, resolve_runtime
 from pipelines.tasks import get_task
-from pipelines.train.engine import train_model
+from pipelines.train.engine import TrainRequest, train_model
 from pipelines.train.step import TrainStep, make_scaler
 from tests.conftest import tiny_params
 from tests.pipelines.train.helpers import tiny_split
@@ -52,15 +52,17 @@ def long_split(rows: int, length: int, seed: int = 0) -> TokenizedSplit:
 def train(params, model=None, split=None, precision=None, **kwargs):
     torch.manual_seed(0)
     return train_model(
-        model if model is not None else bert(),
-        split if split is not None else tiny_split(rows=160, seed=3),
-        None,
-        params,
-        pad_id=0,
-        device=CUDA,
-        precision=precision or params.precision,
-        say=kwargs.pop("say", lambda _: None),
-        **kwargs,
+        TrainRequest(
+            model if model is not None else bert(),
+            split if split is not None else tiny_split(rows=160, seed=3),
+            None,
+            params,
+            pad_id=0,
+            device=CUDA,
+            precision=precision or params.precision,
+            say=kwargs.pop("say", lambda _: None),
+            **kwargs,
+        )
     )
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pipelines.tasks import get_task
-from pipelines.train.engine import train_model
+from pipelines.train.engine import TrainRequest, train_model
 from tests.pipelines.test_memory_levers import llama, long_rows
 
 pytestmark = pytest.mark.gpu
@@ -21,8 +21,8 @@ def trained(default_params, precision: str = "fp32", **overrides) -> dict[str, f
     )
     torch.manual_seed(params.seed)
     torch.cuda.empty_cache()
-    result = train_model(build(), long_rows(rows=8, length=384), None, params, pad_id=0, device=CUDA,
-                         precision=precision, say=lambda _: None, task=get_task("causal_lm"))  # fmt: skip
+    result = train_model(TrainRequest(build(), long_rows(rows=8, length=384), None, params, pad_id=0, device=CUDA,
+                         precision=precision, say=lambda _: None, task=get_task("causal_lm")))  # fmt: skip
     return result.metrics
 
 

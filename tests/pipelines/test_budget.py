@@ -11,7 +11,7 @@ from pipelines.params import Params, apply_overrides, parse_bytes
 from pipelines.resolve.budget import choose_strategy, fit_to_budget
 from pipelines.resolve.memory_plan import MemoryPlan, plan_memory
 from pipelines.runtime import cpu_has_fast_bf16
-from pipelines.train.engine import train_model
+from pipelines.train.engine import TrainRequest, train_model
 from tests.pipelines.test_memory_plan import bert_case
 
 CPU = torch.device("cpu")
@@ -56,7 +56,9 @@ def test_auto_picks_a_plan_that_fits_and_the_run_stays_under_the_budget(default_
     torch.manual_seed(chosen.seed)
     model = apply_adapter(build(), chosen.adapter, task, chosen)
     precision = chosen.precision if chosen.precision != "auto" else "fp32"
-    measured = train_model(model, train, None, chosen, pad_id=0, device=CPU, precision=precision, task=task).metrics
+    measured = train_model(
+        TrainRequest(model, train, None, chosen, pad_id=0, device=CPU, precision=precision, task=task)
+    ).metrics
     assert measured["peak_train_memory_bytes"] <= budget
 
 

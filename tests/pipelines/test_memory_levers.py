@@ -19,7 +19,7 @@ from pipelines.resolve.eval_memory import largest_eval_batch, validation_peak
 from pipelines.resolve.memory_plan import plan_memory
 from pipelines.runtime import LossImpl
 from pipelines.tasks import get_task
-from pipelines.train.engine import train_model
+from pipelines.train.engine import TrainRequest, train_model
 from pipelines.train.memory_levers import apply_memory_levers, resolve_loss
 from pipelines.train.optim import build_optimizer
 from tests.conftest import tiny_params
@@ -97,7 +97,9 @@ def test_each_lever_is_planned_within_10_percent_and_chunking_removes_the_logits
         params, task, build = llama(default_params, **overrides)
         plan = plan_memory(params, task, train, build, lambda model: model, 0, "fp32")
         torch.manual_seed(params.seed)
-        result = train_model(build(), train, None, params, pad_id=0, device=CPU, precision="fp32", task=task)
+        result = train_model(
+            TrainRequest(build(), train, None, params, pad_id=0, device=CPU, precision="fp32", task=task)
+        )
         measured[name] = result.metrics
         losses[name] = result.metrics["final_train_loss"]
         peak = result.metrics["peak_train_memory_bytes"]

@@ -11,7 +11,7 @@ from pipelines.adapters import apply_adapter
 from pipelines.params import Params
 from pipelines.resolve.memory_plan import plan_memory
 from pipelines.tasks import get_task
-from pipelines.train.engine import train_model
+from pipelines.train.engine import TrainRequest, train_model
 from tests.conftest import tiny_params
 from tests.pipelines.tasks.test_causal_lm import WordTokenizer, lm_params, lm_split
 from tests.pipelines.train.helpers import tiny_model, tiny_split
@@ -60,7 +60,9 @@ def test_predicted_peak_is_within_15_percent_and_optimizer_state_is_exact(defaul
     plan = plan_memory(params, task, train, build, adapt, 0, precision)
     torch.manual_seed(params.seed)
     model = adapt(build())
-    measured = train_model(model, train, None, params, pad_id=0, device=CPU, precision=precision, task=task).metrics
+    measured = train_model(
+        TrainRequest(model, train, None, params, pad_id=0, device=CPU, precision=precision, task=task)
+    ).metrics
     error = plan.peak / measured["peak_train_memory_bytes"] - 1
     assert abs(error) <= PEAK_TOLERANCE, f"{strategy}: predicted {plan.peak}, measured {measured}"
     assert plan.optimizer_state == measured["optimizer_state_bytes"]
@@ -75,7 +77,9 @@ def test_a_packed_causal_lm_is_planned_on_its_packs(default_params):
     plan = plan_memory(params, task, packed, build, lambda model: model, 0, "fp32")
     assert plan.batch_width == 48  # packs of the full length, not rows
     torch.manual_seed(params.seed)
-    measured = train_model(build(), train, None, params, pad_id=0, device=CPU, precision="fp32", task=task).metrics
+    measured = train_model(
+        TrainRequest(build(), train, None, params, pad_id=0, device=CPU, precision="fp32", task=task)
+    ).metrics
     assert abs(plan.peak / measured["peak_train_memory_bytes"] - 1) <= PEAK_TOLERANCE
 
 
@@ -141,7 +145,9 @@ def test_seq2seq_is_planned_and_its_loss_needs_no_host_sync(default_params):
     train = s2s_split(rows=16)
     plan = plan_memory(params, task, train, build, lambda model: model, 0, "fp32")
     torch.manual_seed(params.seed)
-    measured = train_model(build(), train, None, params, pad_id=0, device=CPU, precision="fp32", task=task).metrics
+    measured = train_model(
+        TrainRequest(build(), train, None, params, pad_id=0, device=CPU, precision="fp32", task=task)
+    ).metrics
     assert abs(plan.peak / measured["peak_train_memory_bytes"] - 1) <= PEAK_TOLERANCE, (plan.peak, measured)
     assert plan.optimizer_state == measured["optimizer_state_bytes"]
 
@@ -187,7 +193,9 @@ def test_the_plan_pads_as_the_trial_does(default_params):
     unpadded = plan_memory(no_rounding, task, train, build, lambda model: model, 0, "fp32")
     plan = plan_memory(params, task, train, build, lambda model: model, 0, "fp32")
     torch.manual_seed(params.seed)
-    measured = train_model(build(), train, None, params, pad_id=0, device=CPU, precision="fp32", task=task).metrics
+    measured = train_model(
+        TrainRequest(build(), train, None, params, pad_id=0, device=CPU, precision="fp32", task=task)
+    ).metrics
     assert plan.batch_width % 64 == 0 and plan.peak > unpadded.peak
     assert abs(plan.peak / measured["peak_train_memory_bytes"] - 1) <= 0.05, (plan.peak, measured)
 

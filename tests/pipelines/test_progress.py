@@ -7,7 +7,7 @@ import math
 import torch
 
 from pipelines.progress import TrialProgress
-from pipelines.train.engine import train_model
+from pipelines.train.engine import TrainRequest, train_model
 from tests.conftest import tiny_params
 from tests.pipelines.train.helpers import tiny_model, tiny_split
 
@@ -42,10 +42,10 @@ def test_an_epoch_line_gives_the_epochs_own_rate_not_the_last_intervals():
 def test_the_engine_tells_its_log_callback_the_total_steps_and_rows(default_params):
     params = tiny_params(default_params, epochs=2, batch_size=16, log_every_n_steps=3)
     points: list[tuple[int, dict[str, float]]] = []
-    result = train_model(
+    result = train_model(TrainRequest(
         tiny_model(), tiny_split(rows=96), None, params, pad_id=0, device=torch.device("cpu"),
         precision="fp32", on_log=lambda step, point: points.append((step, point)), say=lambda _: None,
-    )  # fmt: skip
+    ))  # fmt: skip
     total = result.metrics["optimizer_steps"]
     assert points[-1][0] == total and all(p["total_steps"] == total for _, p in points)
     assert points[-1][1]["rows_timed"] > points[0][1]["rows_timed"]
@@ -74,8 +74,8 @@ def test_the_engine_logs_when_30_seconds_pass_without_a_log_point(default_params
     monkeypatch.setattr(trainer, "PROGRESS_EVERY_S", 0.0)  # every step is overdue
     params = tiny_params(default_params, epochs=1, batch_size=16, log_every_n_steps=1000)
     steps: list[int] = []
-    train_model(tiny_model(), tiny_split(rows=96), None, params, pad_id=0, device=torch.device("cpu"),
-                precision="fp32", on_log=lambda step, point: steps.append(step), say=lambda _: None)  # fmt: skip
+    train_model(TrainRequest(tiny_model(), tiny_split(rows=96), None, params, pad_id=0, device=torch.device("cpu"),
+                precision="fp32", on_log=lambda step, point: steps.append(step), say=lambda _: None))  # fmt: skip
     assert steps == list(range(1, 7))  # 96 rows / 16: six steps, each logged although log_every_n_steps is 1000
 
 
@@ -84,10 +84,10 @@ def test_the_first_epoch_line_of_a_small_run_has_a_real_loss_and_the_total_steps
     params = tiny_params(default_params, epochs=2, batch_size=16, log_every_n_steps=10)
     lines: list[str] = []
     progress = TrialProgress(epochs=2, say=lines.append, make_bar=None)
-    train_model(
+    train_model(TrainRequest(
         tiny_model(), tiny_split(rows=96), None, params, pad_id=0, device=torch.device("cpu"), precision="fp32",
         on_log=progress.on_log, on_epoch_end=progress.on_epoch_end, say=lambda _: None,
-    )  # fmt: skip
+    ))  # fmt: skip
     first = lines[0]
     assert first.startswith("epoch 1/2, step 6/12, loss "), first
     assert math.isfinite(float(first.split("loss ")[1].split(",")[0]))

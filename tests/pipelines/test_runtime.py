@@ -42,7 +42,7 @@ def test_the_runtime_is_resolved_once_frozen_and_what_the_engine_reports(default
     import dataclasses
 
     from pipelines.runtime import resolve_runtime
-    from pipelines.train.engine import train_model
+    from pipelines.train.engine import TrainRequest, train_model
     from tests.conftest import tiny_params
     from tests.pipelines.train.helpers import tiny_model, tiny_split
 
@@ -57,8 +57,11 @@ def test_the_runtime_is_resolved_once_frozen_and_what_the_engine_reports(default
         runtime.precision = "bf16"  # type: ignore[misc]
     explicit = tiny_params(default_params, **{"data.pad_to_multiple_of": 16})
     assert resolve_runtime(explicit, CPU, pad_id=1, precision="bf16").pad_multiple == 16
-    result = train_model(tiny_model(), tiny_split(rows=64), None, params, pad_id=0, device=CPU, precision="fp32",
-                         say=lambda _: None)  # fmt: skip
+    result = train_model(
+        TrainRequest(
+            tiny_model(), tiny_split(rows=64), None, params, pad_id=0, device=CPU, precision="fp32", say=lambda _: None
+        )
+    )
     assert {k: result.notes[k] for k in runtime.notes()} == runtime.notes() == {
         "tf32.resolved": "false", "pad_to_multiple_of.resolved": "None", "loss_impl.resolved": "full",
     }  # fmt: skip

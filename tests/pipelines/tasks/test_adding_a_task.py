@@ -13,7 +13,7 @@ from pipelines.comparison import columns_for, delta_header
 from pipelines.task_registry import TASKS
 from pipelines.tasks import get_task, tune_objective
 from pipelines.tracking.mlflow_model import input_column
-from pipelines.train.engine import train_model
+from pipelines.train.engine import TrainRequest, train_model
 from tests.conftest import REPO_ROOT
 from tests.pipelines.train.helpers import tiny_model, tiny_split
 
@@ -28,8 +28,8 @@ def test_a_fourth_task_is_one_file_and_one_registry_line(monkeypatch, default_pa
         update={"task": "regression", "epochs": 4, "lr": 0.002, "batch_size": 8, "log_every_n_steps": 6}
     )
 
-    result = train_model(tiny_model(), tiny_split(seed=1), tiny_split(rows=48, seed=2), params,
-                         pad_id=0, device=torch.device("cpu"), precision="fp32", task=task)  # fmt: skip
+    result = train_model(TrainRequest(tiny_model(), tiny_split(seed=1), tiny_split(rows=48, seed=2), params,
+                         pad_id=0, device=torch.device("cpu"), precision="fp32", task=task))  # fmt: skip
 
     losses = [point["loss"] for point in result.history]
     assert sum(losses[-2:]) < 0.5 * sum(losses[:2]), losses  # it learns the label from its tokens

@@ -16,7 +16,7 @@ from pipelines.evaluation import evaluate_saved_model
 from pipelines.params import Params
 from pipelines.tasks import get_task
 from pipelines.tasks.causal_lm import IGNORE, CausalLmCollator, mask_labels, target_counts, with_targets
-from pipelines.train.engine import train_model
+from pipelines.train.engine import TrainRequest, train_model
 from pipelines.train.windows import window_units
 from tests.conftest import tiny_params
 from tests.pipelines.train.helpers import cpu_runtime, cpu_step
@@ -167,7 +167,9 @@ def test_lora_trains_only_the_adapter_and_saves_a_small_file(default_params, tmp
     base.save_pretrained(tmp_path / "full")
     before = {n: p.detach().clone() for n, p in base.named_parameters()}
     model = apply_adapter(base, params.adapter, task)
-    result = train_model(model, split, None, params, pad_id=0, device=CPU, precision="fp32", say=lambda _: None)
+    result = train_model(
+        TrainRequest(model, split, None, params, pad_id=0, device=CPU, precision="fp32", say=lambda _: None)
+    )
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n or "classifier" in n for n in trainable), trainable
     for name, param in model.get_base_model().named_parameters():
@@ -213,7 +215,7 @@ def test_saved_model_reloads_and_answers_the_same(default_params, tmp_path, merg
     if not merge:
         model.save_pretrained(out / BASE_DIR)
     model = apply_adapter(model, params.adapter, TASK)
-    train_model(model, train, None, params, pad_id=tokenizer.pad_token_id, device=CPU, precision="fp32")
+    train_model(TrainRequest(model, train, None, params, pad_id=tokenizer.pad_token_id, device=CPU, precision="fp32"))
     before = TASK.evaluate(model, tokenizer, test, tokenized, params, cpu_runtime(pad_id=tokenizer.pad_token_id))
     save_trained(model, out, params)
     tokenizer.save_pretrained(out)

@@ -16,7 +16,7 @@ from pipelines.errors import UserError
 from pipelines.model import set_attention
 from pipelines.params import Params
 from pipelines.tasks.causal_lm import CausalLmCollator
-from pipelines.train.engine import train_model
+from pipelines.train.engine import TrainRequest, train_model
 from pipelines.train.windows import window_units
 from tests.pipelines.tasks.test_causal_lm import CPU, TASK, WordTokenizer, gradients, lm_params, lm_split
 from tests.pipelines.train.helpers import cpu_step
@@ -97,7 +97,9 @@ def test_packing_trains_with_fewer_rows_and_less_padding(default_params: Params,
         params = lm_params(default_params, epochs=1, batch_size=8, **settings)
         torch.manual_seed(0)
         model = apply_adapter(TASK.build_model(params, WordTokenizer(), Path("."), Path(".")), params.adapter, TASK)
-        results[packing] = train_model(model, split, None, params, pad_id=0, device=CPU, precision="fp32", task=TASK)
+        results[packing] = train_model(
+            TrainRequest(model, split, None, params, pad_id=0, device=CPU, precision="fp32", task=TASK)
+        )
     off, on = results[False].metrics, results[True].metrics
     assert on["optimizer_steps"] < off["optimizer_steps"]
     assert on["padding_fraction"] < off["padding_fraction"]

@@ -13,7 +13,7 @@ from pipelines.params import GeneratorParams, Params
 from pipelines.tasks import get_task
 from pipelines.tasks.causal_lm import IGNORE
 from pipelines.tasks.seq2seq import Seq2SeqCollator, generation_metrics
-from pipelines.train.engine import train_model
+from pipelines.train.engine import TrainRequest, train_model
 from pipelines.train.windows import window_units
 from tests.conftest import tiny_params
 from tests.pipelines.train.helpers import cpu_runtime, cpu_step
@@ -116,7 +116,9 @@ def test_seq2seq_trains_on_the_generated_corpus_and_scores_its_translations(defa
     test = TASK.encode(tokenizer, table.iloc[320:], params, Path(".")).split
     torch.manual_seed(0)
     model = TASK.build_model(params, tokenizer, Path("."), Path("."))
-    result = train_model(model, train, test, params, pad_id=tokenizer.pad_token_id, device=CPU, precision="fp32")
+    result = train_model(
+        TrainRequest(model, train, test, params, pad_id=tokenizer.pad_token_id, device=CPU, precision="fp32")
+    )
     assert result.history[-1]["loss"] < result.history[0]["loss"]
     assert 0.0 <= result.metrics["padding_fraction"] < 1.0  # of encoder and decoder positions (was -0.96)
     scored = TASK.evaluate(model, tokenizer, test, Path("."), params, cpu_runtime(pad_id=tokenizer.pad_token_id))

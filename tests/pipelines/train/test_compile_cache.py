@@ -14,7 +14,7 @@ import torch
 import pipelines.train.compile_warmup as compile_warmup
 from pipelines.train.compile_cache import BLOBS, CompileCache
 from pipelines.train.compiled_step import CompilePrediction
-from pipelines.train.engine import TrainResult, train_model
+from pipelines.train.engine import TrainRequest, TrainResult, train_model
 from tests.conftest import tiny_params
 from tests.pipelines.train.helpers import tiny_model, tiny_split
 
@@ -30,8 +30,19 @@ def compiled_run(default_params: Any, cache: Path, dropout: float = 0.0, lr: flo
                          compile=True, precision="fp32")  # fmt: skip
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
-        return train_model(tiny_model(dropout=dropout), tiny_split(rows=160, seed=3), None, params, pad_id=0,
-                           device=CPU, precision="fp32", compile_prediction=PREDICTION, say=lambda _: None)  # fmt: skip
+        return train_model(
+            TrainRequest(
+                tiny_model(dropout=dropout),
+                tiny_split(rows=160, seed=3),
+                None,
+                params,
+                pad_id=0,
+                device=CPU,
+                precision="fp32",
+                compile_prediction=PREDICTION,
+                say=lambda _: None,
+            )
+        )
 
 
 @pytest.fixture(scope="module")

@@ -104,9 +104,19 @@ def test_a_model_whose_output_is_constant_stops_with_the_reason(default_params):
     model = tiny_model()
     # Uniform predictions whatever the input, as compile + Liger gave on an H100: the loss is ln(3) at every step.
     model.classifier.register_forward_hook(lambda module, inputs, output: output * 0)
-    from pipelines.train.engine import train_model
+    from pipelines.train.engine import TrainRequest, train_model
 
     with pytest.raises(StuckLoss, match=r"the training loss stayed at 1\.09861 .* for 5 optimizer steps in a row"):
-        train_model(model, tiny_split(rows=96, seed=3), None, params, pad_id=0, device=CPU, precision="fp32",
-                    say=lambda _: None)  # fmt: skip
+        train_model(
+            TrainRequest(
+                model,
+                tiny_split(rows=96, seed=3),
+                None,
+                params,
+                pad_id=0,
+                device=CPU,
+                precision="fp32",
+                say=lambda _: None,
+            )
+        )
     assert issubclass(StuckLoss, UserError)

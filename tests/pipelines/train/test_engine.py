@@ -10,7 +10,7 @@ import torch
 from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator
 from pipelines.tasks import classification_scoring as scoring
 from pipelines.tasks import get_task
-from pipelines.train.engine import train_model
+from pipelines.train.engine import TrainRequest, train_model
 from pipelines.train.memory import SavedActivationMeter, optimizer_state_bytes, parameter_bytes
 from pipelines.train.optim import build_optimizer
 from pipelines.train.windows import halve_windows, plan_windows
@@ -108,13 +108,15 @@ def train_tiny(default_params, **overrides):
     torch.manual_seed(0)
     model = tiny_model()
     return train_model(
-        model,
-        tiny_split(rows=160, seed=3),
-        tiny_split(rows=48, seed=4),
-        params,
-        pad_id=0,
-        device=CPU,
-        precision=params.precision,
+        TrainRequest(
+            model,
+            tiny_split(rows=160, seed=3),
+            tiny_split(rows=48, seed=4),
+            params,
+            pad_id=0,
+            device=CPU,
+            precision=params.precision,
+        )
     )
 
 
@@ -181,15 +183,17 @@ def test_run_killed_mid_epoch_resumes_to_the_same_final_loss(default_params, tmp
         torch.manual_seed(0)
         model = tiny_model(dropout=0.1)  # dropout: the RNG state must be restored too
         return train_model(
-            model,
-            *data,
-            params,
-            pad_id=0,
-            device=CPU,
-            precision="fp32",
-            checkpoint_dir=folder,
-            on_log=on_log,
-            say=(messages.append if messages is not None else lambda _: None),
+            TrainRequest(
+                model,
+                *data,
+                params,
+                pad_id=0,
+                device=CPU,
+                precision="fp32",
+                checkpoint_dir=folder,
+                on_log=on_log,
+                say=(messages.append if messages is not None else lambda _: None),
+            )
         )
 
     uninterrupted = train(tmp_path / "a")
@@ -211,18 +215,24 @@ def test_run_killed_mid_epoch_resumes_to_the_same_final_loss(default_params, tmp
 def test_checkpoint_made_with_other_params_is_not_resumed(default_params, tmp_path):
     params = tiny_params(default_params, **{"epochs": 1, "batch_size": 16})
     data = tiny_split(rows=64, seed=3), tiny_split(rows=16, seed=4)
-    train_model(tiny_model(), *data, params, pad_id=0, device=CPU, precision="fp32", checkpoint_dir=tmp_path, say=print)
+    train_model(
+        TrainRequest(
+            tiny_model(), *data, params, pad_id=0, device=CPU, precision="fp32", checkpoint_dir=tmp_path, say=print
+        )
+    )
     changed = tiny_params(params, lr=5e-4)
     messages: list[str] = []
     train_model(
-        tiny_model(),
-        *data,
-        changed,
-        pad_id=0,
-        device=CPU,
-        precision="fp32",
-        checkpoint_dir=tmp_path,
-        say=messages.append,
+        TrainRequest(
+            tiny_model(),
+            *data,
+            changed,
+            pad_id=0,
+            device=CPU,
+            precision="fp32",
+            checkpoint_dir=tmp_path,
+            say=messages.append,
+        )
     )
     assert "different params (lr: 0.001 -> 0.0005): starting fresh" in messages[0]
 
@@ -255,7 +265,9 @@ def test_out_of_memory_halves_micro_batches_and_keeps_the_effective_batch(defaul
     params = tiny_params(default_params, **{"epochs": 2, "batch_size": 32, "log_every_n_steps": 1, "warmup_ratio": 0.0})
     data = tiny_split(rows=160, seed=3), None  # training only: the wrapper would also refuse big eval batches
     torch.manual_seed(0)
-    reference = train_model(tiny_model(), *data, params, pad_id=0, device=CPU, precision="fp32", say=lambda _: None)
+    reference = train_model(
+        TrainRequest(tiny_model(), *data, params, pad_id=0, device=CPU, precision="fp32", say=lambda _: None)
+    )
     torch.manual_seed(0)
     wrapped = OutOfMemoryAbove(tiny_model(), limit=8)
     monkeypatch.setattr(
@@ -264,7 +276,9 @@ def test_out_of_memory_halves_micro_batches_and_keeps_the_effective_batch(defaul
         lambda model, batch: model(batch["input_ids"], batch["attention_mask"]).logits,
     )
     messages: list[str] = []
-    result = train_model(wrapped, *data, params, pad_id=0, device=CPU, precision="fp32", say=messages.append)
+    result = train_model(
+        TrainRequest(wrapped, *data, params, pad_id=0, device=CPU, precision="fp32", say=messages.append)
+    )
     # Twice in the warm-up step, which is also the memory probe (tracked): 32 -> 16 -> 8 rows.
     assert wrapped.raised == 2 and result.metrics["oom_halvings"] == 2
     assert sum("micro-batches halved, accumulation doubled" in m for m in messages) == 2, messages
@@ -301,14 +315,16 @@ def test_nonfinite_loss_stops_the_run_with_a_clear_reason(default_params, monkey
     logged = []
     with pytest.raises(NonFiniteLoss, match="not finite for 3 optimizer steps in a row .* up to step 7"):
         train_model(
-            NaNAfter(tiny_model(), calls=4),  # four good steps (the first, the warm-up, is also the memory probe)
-            tiny_split(rows=160, seed=3),
-            None,
-            params,
-            pad_id=0,
-            device=CPU,
-            precision="fp32",
-            on_log=lambda step, point: logged.append(point["loss"]),
+            TrainRequest(
+                NaNAfter(tiny_model(), calls=4),  # four good steps (the first, the warm-up, is also the memory probe)
+                tiny_split(rows=160, seed=3),
+                None,
+                params,
+                pad_id=0,
+                device=CPU,
+                precision="fp32",
+                on_log=lambda step, point: logged.append(point["loss"]),
+            )
         )
     assert all(math.isfinite(loss) for loss in logged[:4]) and all(math.isnan(loss) for loss in logged[4:])
 

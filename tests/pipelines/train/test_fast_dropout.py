@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipelines.train.engine import train_model
+from pipelines.train.engine import TrainRequest, train_model
 from pipelines.train.fast_dropout import (
     ATTENTION_NAME,
     FastDropout,
@@ -123,14 +123,16 @@ def test_training_with_fast_dropout_learns_like_torch_dropout(default_params):
     for fast in (True, False):
         model = tiny_model(dropout=0.1)
         result = train_model(
-            model,
-            train,
-            validation,
-            tiny_params(params, fast_dropout=fast),
-            pad_id=0,
-            device=CPU,
-            precision="fp32",
-            say=lambda _: None,
+            TrainRequest(
+                model,
+                train,
+                validation,
+                tiny_params(params, fast_dropout=fast),
+                pad_id=0,
+                device=CPU,
+                precision="fp32",
+                say=lambda _: None,
+            )
         )
         accuracy[fast] = result.metrics["val_accuracy"]
         assert model.config._attn_implementation == "sdpa"
@@ -217,13 +219,15 @@ def test_the_fast_attention_function_never_drops_a_causal_mask():
 def test_training_tags_say_whether_the_attention_was_swapped(default_params):
     params = tiny_params(default_params, **{"epochs": 1, "batch_size": 16})
     result = train_model(
-        tiny_model(dropout=0.1),
-        tiny_split(rows=64, seed=3),
-        None,
-        params,
-        pad_id=0,
-        device=CPU,
-        precision="fp32",
-        say=lambda _: None,
+        TrainRequest(
+            tiny_model(dropout=0.1),
+            tiny_split(rows=64, seed=3),
+            None,
+            params,
+            pad_id=0,
+            device=CPU,
+            precision="fp32",
+            say=lambda _: None,
+        )
     )
     assert result.notes["fast_dropout"].endswith("fast attention dropout")

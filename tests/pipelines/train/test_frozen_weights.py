@@ -9,7 +9,7 @@ import torch
 
 from pipelines.adapters import apply_adapter
 from pipelines.tasks import get_task
-from pipelines.train.engine import train_model
+from pipelines.train.engine import TrainRequest, train_model
 from pipelines.train.memory_levers import apply_memory_levers
 from tests.pipelines.tasks.test_causal_lm import WordTokenizer, lm_params, lm_split
 
@@ -43,8 +43,8 @@ def test_lora_on_a_bf16_base_learns_as_on_the_fp32_base_and_counts_it_at_2_bytes
         params = lm_params(default_params, **settings)
         model, task = lora_model(params)
         frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-        result = train_model(model, lm_split(rows=64, seed=2), None, params, pad_id=0, device=CPU,
-                             precision=precision, task=task)  # fmt: skip
+        result = train_model(TrainRequest(model, lm_split(rows=64, seed=2), None, params, pad_id=0, device=CPU,
+                             precision=precision, task=task))  # fmt: skip
         curves[precision] = [point["loss"] for point in result.history]
         frozen_bytes[precision] = (result.metrics["frozen_param_bytes"], frozen)
     assert curves["bf16"][-1] < 0.98 * curves["bf16"][0]  # it learns through a frozen bf16 base (16 steps)...
@@ -63,8 +63,18 @@ def test_pure_bf16_weights_train_the_default_classifier_at_2_bytes_a_weight_and_
         torch.manual_seed(0)
         model = tiny_model()
         weights_count = sum(p.numel() for p in model.parameters())
-        result = train_model(model, tiny_split(rows=96), None, params, pad_id=0, device=CPU, precision="bf16",
-                             task=get_task("classification"))  # fmt: skip
+        result = train_model(
+            TrainRequest(
+                model,
+                tiny_split(rows=96),
+                None,
+                params,
+                pad_id=0,
+                device=CPU,
+                precision="bf16",
+                task=get_task("classification"),
+            )
+        )
         curves[weights] = [point["loss"] for point in result.history]
         figures[weights] = {p.dtype for p in model.parameters()}, result.metrics, weights_count
     dtypes, metrics, count = figures["bf16"]

@@ -30,7 +30,7 @@ def fsdp_params(**overrides):
 
 
 def _train_both(rank: int, init_method: str, out: str) -> None:
-    from pipelines.train.engine import train_model
+    from pipelines.train.engine import TrainRequest, train_model
 
     torch.set_num_threads(1)
     runs = {}
@@ -44,10 +44,10 @@ def _train_both(rank: int, init_method: str, out: str) -> None:
             params = fsdp_params(**overrides)
             torch.manual_seed(0)
             model = tiny_model(seed=0)
-            result = train_model(
+            result = train_model(TrainRequest(
                 model, tiny_split(rows=256, seed=3), tiny_split(rows=32, seed=4), params, pad_id=0, device=CPU,
                 precision=params.precision, say=lambda _: None,
-            )  # fmt: skip
+            ))  # fmt: skip
             runs[name] = {
                 "losses": [h["loss"] for h in result.history],
                 "weights": {k: v.clone() for k, v in model.state_dict().items()},

@@ -15,7 +15,7 @@ import torch
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.params import Params
 from pipelines.tasks import get_task
-from pipelines.train.engine import train_model
+from pipelines.train.engine import TrainRequest, train_model
 from tests.conftest import tiny_params
 from tests.pipelines.train.helpers import tiny_model
 
@@ -81,8 +81,8 @@ def train_five_steps(default_params: Params, task_name: str, **overrides: object
     else:
         model = task.build_model(params, WordTokenizer(), None, None)  # type: ignore[arg-type]
     losses: list[float] = []
-    train_model(model, rows(40, 1, task_name), None, params, pad_id=0, device=CPU, precision="fp32",
-                on_log=lambda step, point: losses.append(point["loss"]), say=lambda _: None, task=task)  # fmt: skip
+    train_model(TrainRequest(model, rows(40, 1, task_name), None, params, pad_id=0, device=CPU, precision="fp32",
+                on_log=lambda step, point: losses.append(point["loss"]), say=lambda _: None, task=task))  # fmt: skip
     return losses, checksum(model)
 
 

@@ -12,7 +12,7 @@ import torch
 from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator
 from pipelines.tasks import classification_scoring as scoring
 from pipelines.tasks import get_task
-from pipelines.train.engine import train_model
+from pipelines.train.engine import TrainRequest, train_model
 from pipelines.train.memory import SavedActivationMeter, peak_rss_bytes, reset_peak_rss
 from tests.conftest import tiny_params
 from tests.pipelines.train.helpers import cpu_step, tiny_model, tiny_split
@@ -29,15 +29,17 @@ def run(default_params, model=None, validation=True, checkpoint_dir=None, **over
     )
     torch.manual_seed(0)
     return train_model(
-        model or tiny_model(),
-        tiny_split(rows=160, seed=3),
-        tiny_split(rows=48, seed=4) if validation else None,
-        params,
-        pad_id=0,
-        device=CPU,
-        precision=params.precision,
-        checkpoint_dir=checkpoint_dir,
-        say=lambda _: None,
+        TrainRequest(
+            model or tiny_model(),
+            tiny_split(rows=160, seed=3),
+            tiny_split(rows=48, seed=4) if validation else None,
+            params,
+            pad_id=0,
+            device=CPU,
+            precision=params.precision,
+            checkpoint_dir=checkpoint_dir,
+            say=lambda _: None,
+        )
     )
 
 
@@ -184,15 +186,17 @@ def test_a_nonfinite_window_is_skipped_not_applied(default_params, monkeypatch, 
     )
     torch.manual_seed(0)
     result = train_model(
-        wrapped,
-        tiny_split(rows=160, seed=3),
-        None,
-        params,
-        pad_id=0,
-        device=CPU,
-        precision=precision,
-        on_log=snapshot,
-        say=lambda _: None,
+        TrainRequest(
+            wrapped,
+            tiny_split(rows=160, seed=3),
+            None,
+            params,
+            pad_id=0,
+            device=CPU,
+            precision=precision,
+            on_log=snapshot,
+            say=lambda _: None,
+        )
     )
     assert result.metrics["skipped_steps"] == 2 and result.metrics["nonfinite_steps"] == 2
     for name, value in weights[3].items():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pipelines.train.engine import train_model
+from pipelines.train.engine import TrainRequest, train_model
 from tests.conftest import tiny_params
 from tests.pipelines.train.helpers import tiny_model, tiny_split
 
@@ -17,7 +17,9 @@ def test_lion_trains_and_keeps_half_of_adamws_state(default_params):
     for optim, lr in (("adamw", 3e-3), ("lion", 3e-3)):
         params = tiny_params(default_params, optim=optim, lr=lr, epochs=4, batch_size=16, log_every_n_steps=4)
         torch.manual_seed(0)
-        results[optim] = train_model(tiny_model(), split, split, params, pad_id=0, device=CPU, precision="fp32")
+        results[optim] = train_model(
+            TrainRequest(tiny_model(), split, split, params, pad_id=0, device=CPU, precision="fp32")
+        )
     lion, adamw = results["lion"].metrics, results["adamw"].metrics
     assert lion["optimizer_state_bytes"] == adamw["optimizer_state_bytes"] / 2 == lion["param_bytes"]
     losses = [point["loss"] for point in results["lion"].history]
