@@ -65,14 +65,10 @@ def trial_run_name(config: dict[str, Any], base_seed: int, experiment: str = "")
     return " · ".join([str(config.get("variant", "default")), f"seed {seed}", *searched, *filter(None, [experiment])])
 
 
-# The figures MLflow's runs table shows, to a meaningful precision (it prints floats whole): times to the ms,
-# rates to 0.1/s. The peak memory also in MiB, as DVC and the report show it.
-SHOWN_DIGITS = {"train_time_s": 3, "wall_time_s": 3, "samples_per_s": 1, "tokens_per_s": 1, "eval_samples_per_s": 1}
-
-
 def shown_figures(metrics: dict[str, float]) -> dict[str, float]:
-    """`metrics` with the runs table's figures rounded and `peak_train_memory_mib` added."""
-    out = {k: round(v, SHOWN_DIGITS[k]) if k in SHOWN_DIGITS else v for k, v in metrics.items()}
+    """`metrics` with the peak memory also in MiB, as DVC and the report show it (MLflow's runs table shows that
+    column). The figures themselves are not rounded: derived ones (rows = samples/s x seconds) must stay exact."""
+    out = dict(metrics)
     if "peak_train_memory_bytes" in out:
         out["peak_train_memory_mib"] = round(out["peak_train_memory_bytes"] / 2**20, 1)
     return out

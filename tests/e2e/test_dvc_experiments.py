@@ -126,7 +126,6 @@ def test_queued_experiment_lands_in_the_repository_store(project_copy: Path):
     # The runs table lists parents: each carries its best trial's headline figures, so it has columns to compare by.
     for key in ("train_time_s", "peak_train_memory_bytes", "peak_train_memory_mib", "samples_per_s"):
         assert parent.data.metrics[key] == queued[0].data.metrics[key], key
-    assert queued[0].data.metrics["samples_per_s"] == round(queued[0].data.metrics["samples_per_s"], 1)
     assert parent.data.metrics["test_accuracy"] > 0
     # A trial's run name says what it varies: its variant and its seed (and any searched value).
     assert queued[0].info.run_name.startswith("default · seed "), queued[0].info.run_name
