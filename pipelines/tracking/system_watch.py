@@ -57,11 +57,9 @@ class SystemWatch:
             status = self._run_status()
             while status is None and not self._stop.wait(self.interval_s):
                 status = self._run_status()
+            self.gaps.append((lost_at, time.time()))  # the server answers again, or the run is ending
             if self._stop.is_set() or status != "RUNNING":
-                if status is not None or self._stop.is_set():
-                    self.gaps.append((lost_at, time.time()))
                 return
-            self.gaps.append((lost_at, time.time()))
             stopped = self.monitor
             self.monitor = self._start_monitor(stopped._logging_step)
             _send_buffered(stopped)  # what it sampled before the outage and could not send
