@@ -28,16 +28,27 @@ def evaluate_saved_model(model_dir: Path, tokenized_dir: Path) -> EvaluationResu
     return task.evaluate(model, tokenizer, split, model_dir, params, runtime)
 
 
-def dvc_metrics(task_name: str, evaluated: dict[str, float], trained: dict[str, float]) -> dict[str, float]:
-    """The evaluate stage's metrics file, in the order `dvc exp show` shows its columns: the task's headline
-    quality, then the model's training figures (`trained`: time, memory, speed), then the other test figures,
-    sorted. `dvc exp show` keeps the leftmost columns when it narrows the table (and a terminal's pager shows
-    the left edge first), so this order is what a person sees. Per-class figures (dotted names) stay in MLflow
-    and the plots, out of every experiment's columns."""
+# `dvc exp show`'s first columns after the experiment's name: what it changed, then the headline figures.
+HEAD_COLUMNS = ("changed",)
+TRAINED_HEAD = ("train_time_s", "peak_train_memory_mib", "timing")
+
+
+def dvc_metrics(
+    task_name: str, evaluated: dict[str, float], trained: dict[str, float | str], compared: dict[str, float | str]
+) -> dict[str, float | str]:
+    """The evaluate stage's metrics file, in the order `dvc exp show` shows its columns: what the experiment changed
+    from its baseline commit (`compared["changed"]`), the task's headline quality, train time, peak train memory
+    and the time's `timing` note (`compared`: `pipelines.baseline`), then the time's interval over repeats, the
+    other training figures (`trained`) and the other test figures, sorted. A terminal's pager shows the table's
+    left edge (`less -S`; DVC renders it at full width for the pager), so this order is what a person sees at 120
+    columns. Per-class figures (dotted names) stay in MLflow and the plots, out of every experiment's columns."""
     from pipelines.tasks import get_task
 
     headline = get_task(task_name).quality[0].metric
-    ordered = {k: evaluated[k] for k in (headline,) if k in evaluated}
-    ordered.update(trained)
+    pool: dict[str, float | str] = {**compared, **trained}
+    ordered = {k: pool[k] for k in HEAD_COLUMNS if k in pool}
+    ordered.update({k: evaluated[k] for k in (headline,) if k in evaluated})
+    ordered.update({k: pool[k] for k in TRAINED_HEAD if k in pool})
+    ordered.update({k: v for k, v in pool.items() if k not in ordered})
     ordered.update({k: evaluated[k] for k in sorted(evaluated) if k not in ordered and "." not in k})
     return ordered

@@ -113,3 +113,10 @@ def repeats_se(a: Sequence[float], b: Sequence[float]) -> tuple[float, float | N
         return 0.0, None
     df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
     return math.sqrt(va + vb), df
+
+
+def mean_interval(values: Sequence[float]) -> tuple[float, float]:
+    """The 95% interval of the mean of `values` (two or more): Student's t at n - 1 degrees of freedom."""
+    mean, sd = mean_sd(values)
+    half = critical_value(len(values) - 1) * sd / math.sqrt(len(values))
+    return mean - half, mean + half

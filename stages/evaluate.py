@@ -8,6 +8,7 @@ import os
 # once, at import, so this comes before anything that imports it.
 os.environ.setdefault("TQDM_DISABLE", "1")
 
+import json  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -26,6 +27,7 @@ PREDICTIONS = Path("predictions/test.csv")
 
 def main() -> None:
     params = load_params()
+    from pipelines.baseline import changed_since_baseline, committed_json, repeat_times, timing_columns
     from pipelines.evaluation import dvc_metrics, evaluate_saved_model
     from pipelines.tracking.mlflow_model import model_to_evaluate
     from pipelines.tracking.runs import log_evaluation, open_store
@@ -40,8 +42,12 @@ def main() -> None:
     # DVC declares both plots for every task; each task fills them its own way (generation: see answer_plots).
     atomic_write_json(CONFUSION, result.plots.get("confusion", []))
     atomic_write_json(PER_CLASS, result.plots.get("per_class", []))
-    # `dvc exp show`'s and `dvc metrics diff`'s one metrics file: quality, then time and memory, first.
-    figures = dvc_metrics(params.task, result.metrics, training_figures(client, run_id))
+    # `dvc exp show`'s and `dvc metrics diff`'s one metrics file: what changed from the baseline commit, quality,
+    # time and memory first, the time marked where the baseline's was taken on another host or under other load.
+    trained = training_figures(client, run_id)
+    repeats = repeat_times(json.loads(TRIALS.read_text()), run_id) if TRIALS.is_file() else []
+    compared = {"changed": changed_since_baseline(), **timing_columns(trained, repeats, committed_json(METRICS))}
+    figures = dvc_metrics(params.task, result.metrics, trained, compared)
     atomic_write_json(METRICS, figures, sort_keys=False)
     log_evaluation(client, run_id, result.metrics, [METRICS, PREDICTIONS], params.tracking.upload_retry_s)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 from pipelines.atomic import atomic_dir
@@ -17,18 +16,15 @@ OUT_DIR = Path("reports")
 
 
 def last_commit_best_run() -> tuple[str, str] | None:
-    """(the best trial's MLflow run id, the commit) of the last commit's train stage (`git show HEAD:` of its
-    metrics file, which git tracks): a `dvc exp run` starts from that commit, so its one trial is compared with it."""
+    """(the best trial's MLflow run id, the commit) of the baseline commit's train stage (its metrics file, which
+    git tracks): a `dvc exp run` starts from that commit, so its one trial is compared with it."""
+    from pipelines.baseline import baseline_commit, committed_json
 
-    def git(*args: str) -> str | None:
-        done = subprocess.run(["git", *args], capture_output=True, text=True, check=False)
-        return done.stdout if done.returncode == 0 else None
-
-    shown, commit = git("show", f"HEAD:{TRAIN_METRICS.as_posix()}"), git("rev-parse", "HEAD")
+    shown, commit = committed_json(TRAIN_METRICS), baseline_commit()
     if not shown or not commit:
         return None  # no git, no commit yet, or a commit before the train stage ran
-    run_id = json.loads(shown).get("mlflow_run_id")
-    return (run_id, commit.strip()) if run_id else None
+    run_id = shown.get("mlflow_run_id")
+    return (run_id, commit) if run_id else None
 
 
 def main() -> None:

@@ -2,8 +2,9 @@
 
 The other stages list only the params they read, so a key added by mistake (`dvc exp run -S +optimizer=adafactor`,
 a typo of `optim`) changes none of them: without this stage every stage would be skipped and the experiment
-recorded as a success with the typo in it. This stage lists the whole file, so any change re-runs it, and a key
-the schema does not know fails the experiment with the schema's message before anything else runs.
+recorded as a success with the typo in it. This stage depends on the whole file (as a file, so that no knob
+becomes a `dvc exp show` column through it), so any change re-runs it, and a key the schema does not know fails
+the experiment with the schema's message before anything else runs.
 """
 
 from __future__ import annotations

@@ -59,7 +59,8 @@ def refuse_tokenize_keys(where: str, keys: list[str]) -> None:
 
 # Each stage's params, as dvc.yaml lists them (a section covers all its keys). The train stage lists only
 # the data keys training itself reads: the rest reach it through data/tokenized, which tokenize rebuilds.
-# `validate` lists the whole file (WHOLE_FILE): any change, an added key included, re-runs it.
+# `validate` reads the whole file (WHOLE_FILE), which dvc.yaml lists as a file dependency, not as params: any
+# change, an added key included, re-runs it, and no knob becomes a `dvc exp show` column through it.
 WHOLE_FILE = "params.yaml"
 STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "validate": (WHOLE_FILE,),

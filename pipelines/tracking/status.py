@@ -65,17 +65,23 @@ def headline_metrics(task: str) -> tuple[str, ...]:
     return (get_task(task).quality[0].metric, "train_time_s", "peak_train_memory_bytes")
 
 
-def training_figures(client: Any, run_id: str) -> dict[str, float]:
+def training_figures(client: Any, run_id: str) -> dict[str, float | str]:
     """The evaluated model's own training figures, from its trial's MLflow run: train time (s), peak train memory
-    (MiB), samples/s, the host's load per core while it trained (above 1, its times were taken under load) and how
-    many trials of the project trained on the host at once (`concurrent_trials`, above 1: the cores were shared), for
-    the headline of `dvc exp show`. A registered version evaluated in place of
-    models/best (`eval.model_uri`) brings its own run's figures, not this train run's."""
-    logged = client.get_run(run_id).data.metrics
-    figures = {k: logged[k] for k in ("train_time_s",) if k in logged}
+    (MiB), samples/s, the host's load per core while it trained (above 1, its times were taken under load), how
+    many trials of the project trained on the host at once (`concurrent_trials`, above 1: the cores were shared)
+    and where it was timed (`timed_on`: the host's name and device), for the headline of `dvc exp show`. A
+    registered version evaluated in place of models/best (`eval.model_uri`) brings its own run's figures, not this
+    train run's."""
+    run = client.get_run(run_id)
+    logged = run.data.metrics
+    figures: dict[str, float | str] = {k: logged[k] for k in ("train_time_s",) if k in logged}
     if "peak_train_memory_bytes" in logged:
         figures["peak_train_memory_mib"] = round(logged["peak_train_memory_bytes"] / 2**20, 1)
     figures.update({k: logged[k] for k in ("samples_per_s", "host_load_per_core", "concurrent_trials") if k in logged})
+    tags = run.data.tags
+    if "host" in tags:
+        cores = f", {logged['host_cores']:g} cores" if "host_cores" in logged else ""
+        figures["timed_on"] = f"{tags['host']}: {tags.get('env.device', 'unknown device')}{cores}"
     return figures
 
 

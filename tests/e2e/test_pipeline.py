@@ -157,20 +157,26 @@ def test_repro_noop_exp_run_and_bad_values(project_copy: Path, own_ray_cluster: 
     shown = experiments(json.loads(run(["dvc", "exp", "show", "--json"], root).stdout))
     optims = {e["params"].get("optim") for e in shown if "test_accuracy" in e["metrics"]}
     assert {"adamw", "adafactor"} <= optims, shown
-    # Each experiment carries the figures a comparison needs, memory in MiB, and the host's load beside its time;
-    # its MLflow run id is in metrics/train.json (an output), not a metric `dvc metrics diff` would compare.
+    # Each experiment opens on what it changed from its baseline commit, then the figures a comparison needs (memory
+    # in MiB) and what to know before comparing its time; its MLflow run id is in metrics/train.json (an output),
+    # not a metric `dvc metrics diff` would compare.
     tried = next(e for e in shown if e["params"].get("optim") == "adafactor")
-    assert list(tried["metrics"])[:5] == [
-        "test_accuracy", "train_time_s", "peak_train_memory_mib", "samples_per_s", "host_load_per_core"]  # fmt: skip
+    assert list(tried["metrics"])[:5] == ["changed", "test_accuracy", "train_time_s", "peak_train_memory_mib", "timing"]
+    assert tried["metrics"]["changed"] == "optim=adafactor"
+    # The baseline was timed here too (its committed metrics name this host), so only the load may mark the time.
+    assert "host" not in tried["metrics"]["timing"] and "baseline" not in tried["metrics"]["timing"], tried
+    assert next(e for e in shown if e["name"] == "main")["metrics"]["changed"] == "-"
     assert "mlflow_run_id" not in tried["metrics"]
     headline = json.loads((root / "metrics/train.json").read_text())
     assert len(headline) < 25 and not [k for k in headline if "." in k and not k.startswith(("best.", "trials."))]
     # What a person sees of `dvc exp show` in a 120-column terminal: its pager's left edge (less -S chops the
-    # lines; DVC renders the table at full width for it). Quality, time and memory are there, with values.
+    # lines; DVC renders the table at full width for it). What changed, quality, time and memory, on one line.
     screen = [line[:120] for line in run(["dvc", "exp", "show"], root, env={"COLUMNS": "120"}).stdout.splitlines()]
     header = next(line for line in screen if "Experiment" in line)
-    assert header.split()[:5] == ["Experiment", "Created", "test_accuracy", "train_time_s", "peak_train_memory_mib"]
+    assert header.split()[:6] == [
+        "Experiment", "Created", "changed", "test_accuracy", "train_time_s", "peak_train_memory_mib"]  # fmt: skip
     row = next(line for line in screen if "[" in line and "]" in line)  # the experiment's row: `├── 1a2b3c4 [name]`
+    assert "optim=adafactor" in row, screen
     for name in ("test_accuracy", "train_time_s", "peak_train_memory_mib"):  # right-aligned under their headers
         start = header.index(name)
         assert float(row[start : start + len(name)]) > 0, screen

@@ -62,15 +62,17 @@ def test_scores_from_counts_equal_sklearns_including_classes_never_seen_or_never
     assert [result.metrics[f"test_recall.{n}"] for n in "abcde"] == recall.tolist()
 
 
-def test_the_dvc_metrics_file_opens_on_quality_then_time_and_memory():
+def test_the_dvc_metrics_file_opens_on_what_changed_then_quality_time_and_memory():
     from pipelines.evaluation import dvc_metrics
 
     evaluated = {"test_loss": 0.8, "test_accuracy": 0.74, "eval_samples_per_s": 3900.0, "test_accuracy.world": 0.9,
                  "test_macro_f1": 0.73, "test_rows": 1200.0}  # fmt: skip
-    trained = {"train_time_s": 5.7, "peak_train_memory_mib": 21.0, "samples_per_s": 650.0, "host_load_per_core": 0.9}
-    figures = dvc_metrics("classification", evaluated, trained)
-    assert list(figures) == ["test_accuracy", "train_time_s", "peak_train_memory_mib", "samples_per_s",
-                             "host_load_per_core", "eval_samples_per_s", "test_loss", "test_macro_f1",
-                             "test_rows"]  # fmt: skip
-    assert list(dvc_metrics("causal_lm", {"test_token_accuracy": 0.5, "test_exact_match": 0.3}, trained))[:2] == [
+    trained = {"train_time_s": 5.7, "peak_train_memory_mib": 21.0, "samples_per_s": 650.0, "host_load_per_core": 0.9,
+               "timed_on": "box: cpu (AVX512), 2 cores"}  # fmt: skip
+    compared = {"changed": "optim=adafactor", "timing": "ok", "train_time_s_ci_low": 5.1, "train_time_s_ci_high": 6.3}
+    figures = dvc_metrics("classification", evaluated, trained, compared)
+    assert list(figures) == ["changed", "test_accuracy", "train_time_s", "peak_train_memory_mib", "timing",
+                             "train_time_s_ci_low", "train_time_s_ci_high", "samples_per_s", "host_load_per_core",
+                             "timed_on", "eval_samples_per_s", "test_loss", "test_macro_f1", "test_rows"]  # fmt: skip
+    assert list(dvc_metrics("causal_lm", {"test_token_accuracy": 0.5, "test_exact_match": 0.3}, trained, {}))[:2] == [
         "test_exact_match", "train_time_s"]  # fmt: skip
