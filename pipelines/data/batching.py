@@ -55,6 +55,14 @@ def _merge_smallest(batches: list[list[int]], count: int) -> list[list[int]]:
     return batches
 
 
+@dataclass(frozen=True)
+class Replica:
+    """Which data-parallel rank reads, of how many: rank `rank` (0-based) of `count`."""
+
+    rank: int = 0
+    count: int = 1
+
+
 class LengthGroupedBatchSampler:
     """Yields lists of row indices; one pass over the rows per epoch, every row exactly once.
 
@@ -62,8 +70,8 @@ class LengthGroupedBatchSampler:
     batches, at least 4 per epoch), each sorted by length and cut into batches (of `batch_size` rows, or
     of up to `max_tokens` padded tokens), and the batch order is shuffled with the
     longest batch moved first. Without it, batches are a plain random
-    permutation (the fixed-padding baseline). With `num_replicas > 1`, each rank takes
-    every `num_replicas`-th batch; the batch count is made divisible by the rank count by
+    permutation (the fixed-padding baseline). With `replica.count > 1`, each rank takes
+    every `count`-th batch; the batch count is made divisible by the rank count by
     splitting the largest batches (or, when all are single rows, merging the smallest),
     so ranks run the same number of steps on disjoint rows.
     """
@@ -77,10 +85,10 @@ class LengthGroupedBatchSampler:
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
-        num_replicas: int = 1,
-        rank: int = 0,
+        replica: Replica = Replica(),
         max_tokens: int | None = None,
     ) -> None:
+        num_replicas, rank = replica.count, replica.rank
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is outside 0..{num_replicas - 1}")
         self.lengths = np.asarray(lengths)

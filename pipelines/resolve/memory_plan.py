@@ -164,12 +164,12 @@ def peak_micro_batches(batches: list[dict[str, torch.Tensor]]) -> list[dict[str,
 
 def _plan_qlora(
     params: Params, task: Task, train: TokenizedSplit, build_base: Callable[[], nn.Module], pad_id: int,
-    precision: ResolvedPrecision, device: torch.device, target: PlanTarget,
+    precision: ResolvedPrecision, target: PlanTarget,
 ) -> MemoryPlan:  # fmt: skip
     """QLoRA's plan: the same model with LoRA on the unquantized base, its quantized weights then at NF4 size."""
     as_lora = params.model_copy(update={"adapter": params.adapter.model_copy(update={"type": "lora"})})
     plan = plan_memory(as_lora, task, train, build_base, lambda m: apply_adapter(m, as_lora.adapter, task, as_lora),
-                       pad_id, precision, device, target)  # fmt: skip
+                       pad_id, precision, target)  # fmt: skip
     with FakeTensorMode(allow_non_fake_inputs=True):
         base = build_base()
     # bf16 compute (fp16 with precision: fp16): 2 bytes either way; the LoRA plan stored the frozen weights so too.
@@ -276,20 +276,18 @@ def plan_memory(
     adapt: Callable[[nn.Module], nn.Module],
     pad_id: int,
     precision: ResolvedPrecision,
-    device: torch.device = CPU,
     target: PlanTarget = CPU_TARGET,
 ) -> MemoryPlan:
     """Predict the peak of one training step of `params` on `train`'s first (longest) window, in bytes of `target`.
 
-    The batches are padded as the trial on `device` pads them (`data.pad_to_multiple_of` resolved there); a GPU
-    `target` trains on CUDA, and its rules apply to the step (`pipelines.resolve.target`). `build_base` makes the
+    The batches are padded as a trial on the target's device pads them (`data.pad_to_multiple_of` resolved there); a
+    GPU `target` trains on CUDA, and its rules apply to the step (`pipelines.resolve.target`). `build_base` makes the
     model from its config under FakeTensorMode (no weight allocated or read), `adapt` applies the adapter outside
     it (peft builds its small weights for real); see `_unavailable_on_failure`. QLoRA: planned as LoRA, then
     adjusted by rule (`pipelines.resolve.qlora_plan`; bitsandbytes needs CUDA)."""
-    if target.card is not None:
-        device = target.device
+    device = target.device
     if params.adapter.type == "qlora":
-        return _plan_qlora(params, task, train, build_base, pad_id, precision, device, target)
+        return _plan_qlora(params, task, train, build_base, pad_id, precision, target)
     start = time.perf_counter()
     # The fake step runs on the CPU, with the trial's precision and its padding on `device`.
     runtime = Runtime(CPU, precision, False, resolve_pad_multiple(params, device), pad_id)

@@ -61,7 +61,6 @@ def trial_planner(
                 lambda model: apply_adapter(model, params.adapter, task, params),
                 int(tokenizer.pad_token_id),  # type: ignore[arg-type]
                 target.precision(params),
-                target.device,
                 target,
             )
 

@@ -85,16 +85,31 @@ def training_figures(client: Any, run_id: str) -> dict[str, float | str]:
     return figures
 
 
+DISPLAY_DIGITS = 4  # significant digits of a parent run's copy of its best trial's figures
+
+
+def display_rounded(value: float, digits: int = DISPLAY_DIGITS) -> float:
+    """`value` to `digits` significant digits (0 and non-finite values as they are)."""
+    if value == 0 or not math.isfinite(value):
+        return value
+    return round(value, digits - 1 - math.floor(math.log10(abs(value))))
+
+
 def log_best_on_parent(client: Any, parent_run_id: str, task: str, best: dict[str, float]) -> None:
-    """The best trial's headline figures (quality, train time, peak memory, speed) on the parent run too: MLflow's
-    runs table lists parent runs, collapsed, and a parent without metrics shows no columns to compare by."""
+    """The best trial's headline figures (quality, train time, peak memory, samples/s) on the parent run too: MLflow's
+    runs table lists parent runs, collapsed, and a parent without metrics shows no columns to compare by.
+
+    MLflow prints a figure whole (it has no display format), so these copies are rounded to 4 significant digits
+    for that table; the trial's run keeps each figure exact (rows = samples/s x seconds must hold), as do the byte
+    counts here."""
     import time
 
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
     keys = [*headline_metrics(task), "peak_train_memory_mib", "samples_per_s"]
-    client.log_batch(parent_run_id, metrics=[Metric(k, float(best[k]), now, 0) for k in keys if k in best])
+    shown = {k: best[k] if k.endswith("_bytes") else display_rounded(best[k]) for k in keys if k in best}
+    client.log_batch(parent_run_id, metrics=[Metric(k, float(v), now, 0) for k, v in shown.items()])
 
 
 def list_first(client: Any, run_id: str, keys: Iterable[str]) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipelines.data.batching import LengthGroupedBatchSampler
+from pipelines.data.batching import LengthGroupedBatchSampler, Replica
 from pipelines.data.loader import to_device
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.params import Params
@@ -31,8 +31,7 @@ def training_sampler(
         bucketing=params.data.bucketing,
         seed=params.seed,
         max_tokens=params.data.max_tokens_per_batch,
-        num_replicas=num_replicas,
-        rank=rank,
+        replica=Replica(rank, num_replicas),
     )
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from pipelines.tracking.status import display_rounded
 from tests.conftest import QUICK, run, write_params
 from tests.e2e.mlflow_ui import compare_view_metrics, mlflow_ui, runs_table_rows
 
@@ -123,9 +124,12 @@ def test_queued_experiment_lands_in_the_repository_store(project_copy: Path):
     parent = client.get_run(queued[0].data.tags["mlflow.parentRunId"])
     assert parent.data.tags["dvc_exp_name"]  # the DVC experiment's name is on the parent run
     assert parent.info.run_name == parent.data.tags["dvc_exp_name"]  # and names it, as `dvc exp show` does
-    # The runs table lists parents: each carries its best trial's headline figures, so it has columns to compare by.
-    for key in ("train_time_s", "peak_train_memory_bytes", "peak_train_memory_mib", "samples_per_s"):
-        assert parent.data.metrics[key] == queued[0].data.metrics[key], key
+    # The runs table lists parents: each carries its best trial's headline figures, so it has columns to compare by,
+    # rounded to 4 significant digits for that table (MLflow prints figures whole); the bytes stay exact.
+    assert parent.data.metrics["peak_train_memory_bytes"] == queued[0].data.metrics["peak_train_memory_bytes"]
+    for key in ("train_time_s", "peak_train_memory_mib", "samples_per_s", "test_accuracy"):
+        assert parent.data.metrics[key] == display_rounded(queued[0].data.metrics[key]), key
+        assert parent.data.metrics[key] == pytest.approx(queued[0].data.metrics[key], rel=1e-3), key
     assert parent.data.metrics["test_accuracy"] > 0
     # A trial's run name says what it varies: its variant and its seed (and any searched value).
     assert queued[0].info.run_name.startswith("default · seed "), queued[0].info.run_name

@@ -97,6 +97,26 @@ def test_no_module_is_over_400_lines_and_no_function_over_80():
     assert long_functions == []
 
 
+def parameter_count(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """A function's parameters, `self` and `cls` not counted, `*args` and `**kwargs` one each."""
+    args = node.args
+    names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
+    return len(names) - (names[:1] in (["self"], ["cls"])) + (args.vararg is not None) + (args.kwarg is not None)
+
+
+def test_no_function_takes_more_than_8_parameters_and_few_take_7():
+    # Many loose parameters mean a missing object: the engine's entry took 13 before it took one TrainRequest.
+    counts = [
+        (f"{module}.{node.name}", parameter_count(node))
+        for module in all_modules()
+        for node in ast.walk(parsed(module))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+    ]
+    assert [(name, n) for name, n in counts if n > 8] == []
+    many = sorted(name for name, n in counts if n >= 7)
+    assert len(many) <= 8, many
+
+
 def test_readme_is_a_newcomer_size_and_links_only_pages_that_exist():
     import re
 

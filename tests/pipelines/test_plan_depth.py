@@ -32,7 +32,7 @@ def planner(params, target):
     def at_depth(layers: int | None):
         build = lambda: task.build_model(params, tokenizer, Path("."), Path("."), weights=False, layers=layers)  # noqa: E731
         adapt = lambda m: apply_adapter(m, params.adapter, task, params)  # noqa: E731
-        return plan_memory(params, task, split, build, adapt, 0, target.precision(params), target.device, target)
+        return plan_memory(params, task, split, build, adapt, 0, target.precision(params), target)
 
     return at_depth
 

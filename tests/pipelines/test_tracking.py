@@ -11,7 +11,7 @@ from pipelines.errors import UserError
 from pipelines.params import TrackingParams, resolve_repo_root
 from pipelines.tasks import get_task
 from pipelines.tracking.runs import RunLogger, open_experiment, resolve_tracking_uri, start_run
-from pipelines.tracking.status import headline_metrics, list_first
+from pipelines.tracking.status import display_rounded, headline_metrics, list_first, log_best_on_parent
 
 
 def test_relative_stores_become_absolute(tmp_path: Path):
@@ -116,3 +116,17 @@ def test_mlflow_telemetry_is_off_in_our_processes_unless_the_user_set_it(users, 
     if users is not None:
         monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", users)
     assert worker_env()["MLFLOW_DISABLE_TELEMETRY"] == expected  # Ray's trial workers
+
+
+def test_a_parent_shows_its_best_trials_figures_to_4_significant_digits_and_bytes_exact(tmp_path: Path):
+    rounded = [display_rounded(v) for v in (0.7366666, 2600.7746, 4.8324063, 21.0, 0.0)]
+    assert rounded == [0.7367, 2601.0, 4.832, 21.0, 0]
+    tracking = TrackingParams(uri="sqlite:///store.db", experiment="t", registered_model=None, upload_retry_s=1)
+    client, experiment = open_experiment(tracking, tmp_path)
+    parent = start_run(client, experiment, "parent", {})
+    best = {"test_accuracy": 0.7366666666666667, "train_time_s": 4.8324063870059035, "samples_per_s": 2600.7746,
+            "peak_train_memory_bytes": 21998080.0, "peak_train_memory_mib": 21.0, "val_loss": 0.79}  # fmt: skip
+    log_best_on_parent(client, parent, "classification", best)
+    assert client.get_run(parent).data.metrics == {
+        "test_accuracy": 0.7367, "train_time_s": 4.832, "samples_per_s": 2601.0,
+        "peak_train_memory_bytes": 21998080.0, "peak_train_memory_mib": 21.0}  # fmt: skip

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator, mega_batch_rows, padding_fraction
+from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator, Replica, mega_batch_rows, padding_fraction
 from pipelines.data.tokenization import TokenizedSplit
 
 lengths_strategy = st.lists(st.integers(1, 300), min_size=1, max_size=400).map(np.array)
@@ -33,7 +33,7 @@ def test_every_row_exactly_once_per_epoch(lengths, batch_size, bucketing, seed):
 def test_ranks_are_disjoint_complete_and_equal_in_steps(lengths, batch_size, replicas, bucketing):
     shards = [
         LengthGroupedBatchSampler(
-            lengths, batch_size, bucketing=bucketing, seed=3, num_replicas=replicas, rank=r
+            lengths, batch_size, bucketing=bucketing, seed=3, replica=Replica(r, replicas)
         ).batches(1)
         for r in range(replicas)
     ]

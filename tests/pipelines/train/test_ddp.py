@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator
+from pipelines.data.batching import LengthGroupedBatchSampler, PadCollator, Replica
 from pipelines.tasks import get_task
 from pipelines.train.windows import global_window_rows, plan_windows
 from tests.pipelines.train.helpers import cpu_step, loopback_init_method, loopback_process_group, tiny_model, tiny_split
@@ -69,7 +69,7 @@ def _spawn_and_wait(fn, args: tuple, nprocs: int, seconds: float) -> None:
 
 def test_global_window_rows_add_every_rank_s_window():
     lengths = torch.randint(4, 40, (50,)).numpy()
-    sampler = LengthGroupedBatchSampler(lengths, 8, num_replicas=2, rank=0, seed=3)
+    sampler = LengthGroupedBatchSampler(lengths, 8, replica=Replica(0, 2), seed=3)
     rows = global_window_rows(sampler, epoch=0, accum=2)
     plan = sampler.global_batches(0)
     per_rank = [plan_windows(plan[r::2], 2) for r in range(2)]
