@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from pipelines.noise import mean_interval
 from tests.conftest import FINAL_METRICS, FOUR_VARIANTS, QUICK, run, write_params
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -147,3 +148,11 @@ def test_repeats_run_each_variant_over_seeds_and_the_report_shows_mean_sd(projec
     adafactor = next(line for line in report.splitlines() if line.startswith("| adafactor |"))
     assert "(n=2)" in vanilla and "(n=2)" in adafactor
     assert "*" in adafactor.split("|")[7] or "within noise" in adafactor.split("|")[7]  # optimizer state: marked
+    # `dvc exp show`'s time carries its noise: the 95% interval of the evaluated variant's mean time over its seeds,
+    # and the mark of trials that shared the cores.
+    figures = json.loads((project_copy / "metrics/evaluate.json").read_text())
+    summary = json.loads((project_copy / "models/trials.json").read_text())
+    times = [t["metrics"]["train_time_s"] for t in summary["trials"] if t["variant"] == summary["best"]["variant"]]
+    assert len(times) == 2
+    assert (figures["train_time_s_ci_low"], figures["train_time_s_ci_high"]) == mean_interval(times)
+    assert ("shared by" in figures["timing"]) == (figures["concurrent_trials"] > 1), figures
