@@ -104,7 +104,7 @@ def _load_marks(figures: Mapping[str, Any], prefix: str) -> list[str]:
     if isinstance(shared, int | float) and shared > 1:
         marks.append(f"{prefix}shared by {shared:g}")
     if isinstance(load, int | float) and load > 1:  # above 1 per core, threads waited (pipelines.host_load)
-        marks.append(f"{prefix}load {load:.1f}/core")
+        marks.append(f"{prefix}load {load:.2f}/core")
     return marks
 
 

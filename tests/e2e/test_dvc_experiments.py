@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
@@ -113,6 +114,15 @@ def test_queued_experiment_lands_in_the_repository_store(project_copy: Path):
         pytest.fail(f"queued experiment did not finish:\n{status}")
     assert "Success" in status, status
     run(["dvc", "queue", "stop", "--kill"], project_copy, check=False)
+    # In DVC's temp copy the evaluate stage still finds the baseline commit (DVC_EXP_BASELINE_REV): `dvc exp show`'s
+    # first column names the experiment's one change, and its time is not marked as taken on another host.
+    shown = json.loads(run(["dvc", "exp", "show", "--json"], project_copy).stdout)
+    figures = [
+        rev["data"]["metrics"]["metrics/evaluate.json"]["data"]
+        for baseline in shown for exp in baseline.get("experiments") or [] for rev in exp.get("revs") or []
+    ]  # fmt: skip
+    assert [f["changed"] for f in figures] == ["lr=0.002"], figures
+    assert not re.search("other host|host unknown|no baseline", figures[0]["timing"]), figures
 
     client = MlflowClient(tracking_uri=f"sqlite:///{project_copy / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("finetune")

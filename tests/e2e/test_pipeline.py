@@ -164,7 +164,7 @@ def test_repro_noop_exp_run_and_bad_values(project_copy: Path, own_ray_cluster: 
     assert list(tried["metrics"])[:5] == ["changed", "test_accuracy", "train_time_s", "peak_train_memory_mib", "timing"]
     assert tried["metrics"]["changed"] == "optim=adafactor"
     # The baseline was timed here too (its committed metrics name this host), so only the load may mark the time.
-    assert "host" not in tried["metrics"]["timing"] and "baseline" not in tried["metrics"]["timing"], tried
+    assert not re.search("other host|host unknown|no baseline", tried["metrics"]["timing"]), tried
     assert next(e for e in shown if e["name"] == "main")["metrics"]["changed"] == "-"
     assert "mlflow_run_id" not in tried["metrics"]
     headline = json.loads((root / "metrics/train.json").read_text())

@@ -70,8 +70,8 @@ def test_the_time_is_marked_where_it_cannot_stand_beside_the_baseline():
     assert timing_note(here, {"test_accuracy": 0.7}) == "baseline: host unknown"  # committed before it was recorded
     assert timing_note(here, None) == "no baseline"
     queued = {**here, "concurrent_trials": 2.0, "host_load_per_core": 1.31}  # dvc queue start -j 2 on 2 cores
-    assert timing_note(queued, here) == "shared by 2, load 1.3/core"
-    assert timing_note(here, queued) == "baseline: shared by 2, baseline: load 1.3/core"
+    assert timing_note(queued, here) == "shared by 2, load 1.31/core"
+    assert timing_note(here, queued) == "baseline: shared by 2, baseline: load 1.31/core"
 
 
 def test_repeats_give_the_time_an_interval_of_their_mean():
