@@ -48,7 +48,7 @@ def stage_parser(module: str, doc: str | None) -> argparse.ArgumentParser:
     )
     epilog = "\n\n".join(textwrap.fill(paragraph, width=100) for paragraph in paragraphs)
     return argparse.ArgumentParser(
-        prog=f"python -m {module}", description=description(doc), epilog=epilog,
+        prog=f"python -m {module}", description=textwrap.fill(description(doc), width=100), epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
 

@@ -1,7 +1,6 @@
 """DVC stage `evaluate`: score the best model on the test split; metrics, plots, per-row predictions.
-
-Its metrics file opens on what the experiment changed in params.yaml from the commit it ran from, and marks the
-train time where that commit's was taken on another host or under other load (`pipelines.baseline`).
+Its metrics file opens on what the experiment changed in params.yaml (read whole) from the commit it ran from, and
+marks the train time where that commit's was taken on another host or under other load (`pipelines.baseline`).
 """
 
 from __future__ import annotations
