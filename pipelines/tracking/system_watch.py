@@ -36,6 +36,7 @@ class SystemWatch:
 
         monitor = SystemMetricsMonitor(self.run_id, sampling_interval=self.interval_s, tracking_uri=self.tracking_uri)
         monitor._logging_step = step  # go on from the step the stopped monitor reached (MLflow keeps it private)
+        self._first_step = step
         monitor.start()
         return monitor
 
@@ -70,16 +71,18 @@ class SystemWatch:
         self._stop.set()
         self._watcher.join(timeout=2 * self.interval_s)
         self.monitor.finish()
+        if self.gaps or self.monitor._logging_step == self._first_step:
+            # MLflow's monitor publishes after each interval and drops what it sampled since at `finish`: a run
+            # shorter than the interval (a small trial on a GPU) had no system metrics at all, and a monitor
+            # restarted near the run's end after an outage none past it. One last sample, published.
+            try:
+                self.monitor.collect_metrics()
+                self.monitor.publish_metrics(self.monitor.aggregate_metrics())
+            except Exception:  # noqa: BLE001 - best effort, like the monitor itself
+                pass
+            _send_buffered(self.monitor)
         if not self.gaps:
             return
-        # A monitor restarted near the run's end may not have published yet (it publishes after each interval):
-        # one last sample, so the run's system metrics reach past the outage.
-        try:
-            self.monitor.collect_metrics()
-            self.monitor.publish_metrics(self.monitor.aggregate_metrics())
-        except Exception:  # noqa: BLE001 - best effort, like the monitor itself
-            pass
-        _send_buffered(self.monitor)
         from mlflow.tracking import MlflowClient
 
         spans = "; ".join(f"{_utc(start)} to {_utc(end)}" for start, end in self.gaps)

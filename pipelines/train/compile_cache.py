@@ -14,6 +14,12 @@ The manifest (`compiled.json`) sits in Inductor's cache folder, so the two are k
 fingerprint and loaded (`load_cache_artifacts`) by a run that finds the blob but not the manifest's entry: a fresh
 cache folder, a Ray worker on another node, another machine with the same torch and device (copy the file into
 `.cache/torch/mega/`, or take it from the trial's MLflow artifacts, `compile_cache/`).
+
+Writers are safe across processes: packed trials on one GPU share a fingerprint (they differ by the learning rate)
+and record it at the same time. Each writes its blob to a name of its own in `mega/` (`<key>.<pid>.<random>.partial`)
+and renames it into place, so a reader sees one writer's whole blob and the last rename wins (all hold the same
+graphs). The manifest is read, merged and rewritten (atomically) under an inter-process lock (`compiled.json.lock`,
+`filelock`), so no writer drops another's entry.
 """
 
 from __future__ import annotations
@@ -21,19 +27,26 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import os
 import platform
+import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from filelock import FileLock
 from torch import nn
 
 from pipelines.atomic import atomic_write_json
 
 MANIFEST = "compiled.json"
 BLOBS = "mega"
+# A writer holds the manifest's lock for one small JSON rewrite: poll often, and fail loudly rather than wait forever
+# on a lock that can go stale (filelock's fallback where the file system has no fcntl locks).
+_LOCK_POLL_S = 0.005
+_LOCK_TIMEOUT_S = 60.0
 # Config entries that name where a model came from, not what it computes.
 _NOT_COMPUTED = {"_name_or_path", "transformers_version", "_commit_hash", "name_or_path", "architectures"}
 
@@ -123,6 +136,30 @@ class CompileCache:
             return False
         return torch.compiler.load_cache_artifacts(self.blob(key).read_bytes()) is not None
 
+    def write_blob(self, key: str, data: bytes) -> Path:
+        """Put `data` as `key`'s blob, whole: written under a name no other writer uses, then renamed into place (the
+        last of concurrent writers wins); the blob's path."""
+        path = self.blob(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # A shared temporary name would let one writer's rename take another's file away mid-write.
+        temporary = path.with_name(f"{key}.{os.getpid()}.{secrets.token_hex(6)}.partial")
+        try:
+            with temporary.open("xb") as out:
+                out.write(data)
+            os.replace(temporary, path)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+        return path
+
+    def add_entry(self, key: str, entry: dict[str, Any]) -> None:
+        """Set `key`'s manifest entry, keeping every other's: the read, merge and atomic rewrite run under an
+        inter-process lock, so concurrent writers of other keys are not lost."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(self.folder / f"{MANIFEST}.lock", timeout=_LOCK_TIMEOUT_S)
+        with lock.acquire(poll_interval=_LOCK_POLL_S):
+            atomic_write_json(self.manifest_path, {**self.manifest(), key: entry})
+
     def record(self, key: str, entry: dict[str, Any]) -> Path | None:
         """After a compile of `key`: its manifest entry, and its blob unless one exists; the blob's path (None when
         torch had nothing to save)."""
@@ -131,11 +168,8 @@ class CompileCache:
             saved = torch.compiler.save_cache_artifacts()
             if saved is None:
                 return None
-            path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = path.with_suffix(".partial")
-            temporary.write_bytes(saved[0])
-            temporary.replace(path)
-        atomic_write_json(self.manifest_path, {**self.manifest(), key: entry})
+            path = self.write_blob(key, saved[0])
+        self.add_entry(key, entry)
         return path
 
 

@@ -1,10 +1,14 @@
 """The compile cache, as a run meets it: one compile for every padded width, the fingerprint's hit and miss predicted
-right both ways (and the lr not part of it), a Mega-Cache blob loaded into an empty cache, and the optimizer's state
-alive when the step is warmed (on CUDA: recorded)."""
+right both ways (and the lr not part of it), a Mega-Cache blob loaded into an empty cache, the optimizer's state
+alive when the step is warmed (on CUDA: recorded), and packed trials' processes writing one fingerprint at once."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +19,7 @@ import pipelines.train.compile_warmup as compile_warmup
 from pipelines.train.compile_cache import BLOBS, CompileCache
 from pipelines.train.compiled_step import CompilePrediction
 from pipelines.train.engine import TrainRequest, TrainResult, train_model
-from tests.conftest import tiny_params
+from tests.conftest import REPO_ROOT, tiny_params
 from tests.pipelines.train.helpers import tiny_model, tiny_split
 
 CPU = torch.device("cpu")
@@ -120,3 +124,59 @@ def test_the_optimizer_state_exists_when_the_step_is_warmed(runs):
     (watched,) = runs["watched"]
     assert watched["trained"] > 0 and watched["with_state"] == watched["trained"], watched
     assert runs["cold"].notes["compile.state_before_recording"] == "true"
+
+
+WRITERS, ROUNDS, SHARED = 8, 50, "shared0fingerprint00"
+# Packed trials' processes: a fresh interpreter imports the cache once (8 imports of torch would take most of the
+# test's time on busy cores) and forks the writers, which touch no torch; they pass a barrier together, then each
+# writes the shared fingerprint's blob and manifest entries ROUNDS times. A writer's payload is its own bytes, so a
+# torn or mixed blob matches no writer's; the launcher prints the writers' exit codes.
+RACE = textwrap.dedent(
+    """
+    import json, multiprocessing, sys
+    from pathlib import Path
+    from pipelines.train.compile_cache import CompileCache
+
+    folder, writers, rounds, shared = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+
+    def write(writer, barrier):
+        cache, payload = CompileCache(folder), (f"writer {writer:02d} " * 16384).encode()
+        barrier.wait(timeout=60)
+        for n in range(rounds):
+            cache.write_blob(shared, payload)
+            cache.add_entry(f"writer-{writer}-round-{n}", {"writer": writer, "round": n})
+            cache.add_entry(shared, {"writer": writer, "round": n})
+
+    context = multiprocessing.get_context("fork")
+    barrier = context.Barrier(writers)
+    racers = [context.Process(target=write, args=(w, barrier)) for w in range(writers)]
+    for racer in racers:
+        racer.start()
+    for racer in racers:
+        racer.join(timeout=120)
+    print(json.dumps([racer.exitcode for racer in racers]))
+    """
+)
+
+
+def test_packed_trials_writing_one_fingerprint_at_once_lose_nothing(tmp_path):
+    race = subprocess.run(
+        [sys.executable, "-c", RACE, str(tmp_path), str(WRITERS), str(ROUNDS), SHARED],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    # A writer that raised (a rename whose file another took away) exits 1 with its traceback on stderr.
+    assert race.returncode == 0, race.stderr[-3000:]
+    assert json.loads(race.stdout.splitlines()[-1]) == [0] * WRITERS, race.stderr[-3000:]
+
+    cache = CompileCache(tmp_path)
+    payloads = {(f"writer {w:02d} " * 16384).encode() for w in range(WRITERS)}
+    assert cache.blob(SHARED).read_bytes() in payloads
+    assert sorted(p.name for p in (tmp_path / BLOBS).iterdir()) == [f"{SHARED}.bin"]
+    manifest = json.loads(cache.manifest_path.read_text())
+    expected = {SHARED} | {f"writer-{w}-round-{n}" for w in range(WRITERS) for n in range(ROUNDS)}
+    assert set(manifest) == expected, (len(expected - set(manifest)), "entries lost")
+    assert manifest[SHARED]["round"] == ROUNDS - 1 and manifest[SHARED]["writer"] in range(WRITERS)
+    assert cache.holds(SHARED) == "cache"
