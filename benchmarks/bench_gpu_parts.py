@@ -35,26 +35,26 @@ import torch
 
 from benchmarks.bench_gpu import DATA, bert_base, params_for
 from benchmarks.bench_gpu_peer import free_device_memory, run_trainer
-from benchmarks.common import subset
+from benchmarks.common import cycled, subset
 from pipelines.data.tokenization import TokenizedSplit
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8)  # fmt: skip
 LLAMA_SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                    num_key_value_heads=2)  # fmt: skip
-COMPILED = ("trainer torch_compile", "trainer torch_compile, no grouping", "plain compiled")
+COMPILED = ("ours compiled", "trainer torch_compile", "trainer torch_compile, no grouping", "plain compiled")
 
 
 class Bench:
     """One part's data, model maker and device; each configuration is a method returning its figures."""
 
-    def __init__(self, part: str, data: Path, smoke: bool) -> None:
+    def __init__(self, part: str, data: Path, smoke: bool, rows: int | None = None) -> None:
         self.part, self.smoke = part, smoke
         self.device = torch.device("cpu" if smoke or not torch.cuda.is_available() else "cuda")
         if part == "bert":
             self.meta = json.loads((data / "meta.json").read_text())
-            rows = 64 if smoke else 3200
-            self.train = subset(TokenizedSplit.load(data / "classification" / "train"), rows)
+            rows = rows or (64 if smoke else 3200)
+            self.train = cycled(TokenizedSplit.load(data / "classification" / "train"), rows)
             self.test = subset(TokenizedSplit.load(data / "classification" / "test"), 32 if smoke else 256)
             self.base = {"precision": "bf16", "data.bucketing": True, "log_every_n_steps": 10}
         else:
@@ -240,6 +240,7 @@ class Bench:
         """Name -> run, in round-robin order."""
         return {
             "ours defaults": lambda: self.ours("auto"),
+            "ours compiled": lambda: self.ours(True),
             "ours eager": lambda: self.ours(False),
             "trainer eager": lambda: self.trainer(),
             "trainer torch_compile": lambda: self.trainer(torch_compile=True),
@@ -305,32 +306,59 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--smoke", action="store_true", help="tiny models, eager configurations, any device")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these configurations (in this order)")
+    parser.add_argument("--rows", type=int, help="bert: training rows (past the prepared rows, they repeat in order)")
+    parser.add_argument("--deadline", type=float, help="seconds after which no configuration starts (each recorded)")
     parser.add_argument("--json", type=Path, help="write every run and the summary here")
     parser.add_argument("--markdown", type=Path, help="also write the table here")
     args = parser.parse_args()
-    bench = Bench(args.part, args.data, args.smoke)
-    configurations = bench.configurations()
+    begun = time.perf_counter()
+    bench = Bench(args.part, args.data, args.smoke, args.rows)
+    configurations = chosen(bench.configurations(), args.only)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configurations}
     for _ in range(1 if args.smoke else args.rounds):
         for name, run in configurations.items():
             if args.smoke and name in COMPILED:
                 continue
             start = time.perf_counter()
+            if args.deadline is not None and start - begun > args.deadline:
+                runs[name].append({"error": f"not started: --deadline {args.deadline:g} s had passed", "call_s": 0.0})
+                continue
             try:
                 figures = run()
-            except Exception as err:  # noqa: BLE001 - a benchmark records what failed and goes on
+            except Exception as err:  # noqa: BLE001 - a benchmark records what failed, goes on, and exits non-zero
                 figures = {"error": f"{type(err).__name__}: {err}"[:300]}
             runs[name].append({**figures, "call_s": time.perf_counter() - start})
             print(name, json.dumps({k: v for k, v in runs[name][-1].items() if k != "losses"}), flush=True)
+            if args.json:  # after every configuration: a run killed at a caller's deadline keeps what it measured
+                write_json(args.json, bench, runs)
     device = torch.cuda.get_device_name() if bench.device.type == "cuda" else "cpu"
-    table = summary(runs)
-    text = markdown(args.part, device, table)
+    text = markdown(args.part, device, summary(runs))
     print(text)
     if args.json:
-        args.json.write_text(json.dumps({"device": device, "torch": torch.__version__, "runs": runs,
-                                         "summary": table}, indent=1))  # fmt: skip
+        write_json(args.json, bench, runs)
     if args.markdown:
         args.markdown.write_text(text + "\n")
+    failed = sorted({name for name, rounds in runs.items() for r in rounds if "error" in r})
+    if failed:
+        sys.exit(f"bench_gpu_parts: {len(failed)} configuration(s) failed: {', '.join(failed)}")
+
+
+def write_json(path: Path, bench: Bench, runs: dict[str, list[dict[str, Any]]]) -> None:
+    """Every run so far and their summary, to `path`."""
+    device = torch.cuda.get_device_name() if bench.device.type == "cuda" else "cpu"
+    path.write_text(json.dumps({"device": device, "torch": torch.__version__, "rows": len(bench.train), "runs": runs,
+                                "summary": summary(runs)}, indent=1))  # fmt: skip
+
+
+def chosen(configurations: dict[str, Callable[[], dict[str, Any]]], only: list[str] | None) -> dict[str, Any]:
+    """The configurations `--only` names, in its order (all when None); an unknown name is refused with the list."""
+    if not only:
+        return configurations
+    unknown = [name for name in only if name not in configurations]
+    if unknown:
+        sys.exit(f"bench_gpu_parts: --only {unknown} unknown; the configurations are {list(configurations)}")
+    return {name: configurations[name] for name in only}
 
 
 if __name__ == "__main__":

