@@ -5,6 +5,15 @@ from __future__ import annotations
 
 import os
 import platform
+import re
+import subprocess
+from pathlib import Path
+
+# The kernel module's own line: "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  Thu ..." (or "... Open
+# Kernel Module for x86_64  580.159.04  Release Build ..."): the first dotted number after "NVRM version:".
+_PROC_VERSION = re.compile(r"^NVRM version:.*?\s(\d+\.\d+(?:\.\d+)?)(?:\s|$)", re.MULTILINE)
+_VERSION = re.compile(r"^\d+\.\d+(?:\.\d+)?$")
+PROC_DRIVER_VERSION = Path("/proc/driver/nvidia/version")
 
 
 def environment_tags() -> dict[str, str]:
@@ -42,12 +51,38 @@ def cuda_device_tags(index: int) -> dict[str, str]:
 
 
 def cuda_driver_version() -> str:
-    """The NVIDIA driver's version through NVML (nvidia-ml-py, the `gpu` extra), else 'unknown'."""
-    try:
-        import pynvml
+    """The NVIDIA driver's version: through NVML (nvidia-ml-py, the `gpu` extra), else the kernel module's
+    /proc/driver/nvidia/version, else `nvidia-smi`; 'unknown' when none answers."""
+    for read in (_nvml_driver_version, _proc_driver_version, _smi_driver_version):
+        try:
+            version = read()
+        except Exception:  # noqa: BLE001 - no NVML, no /proc entry, no nvidia-smi: the next source is asked
+            version = None
+        if version is not None and _VERSION.match(version):
+            return version
+    return "unknown"
 
-        pynvml.nvmlInit()
-        version = pynvml.nvmlSystemGetDriverVersion()
-        return version.decode() if isinstance(version, bytes) else str(version)
-    except Exception:  # noqa: BLE001 - no NVML library or package: the tag says so, the run goes on
-        return "unknown"
+
+def driver_version_from_proc(text: str) -> str | None:
+    """The driver's version in the text of /proc/driver/nvidia/version, None if it names none."""
+    found = _PROC_VERSION.search(text)
+    return found.group(1) if found else None
+
+
+def _nvml_driver_version() -> str:
+    import pynvml
+
+    pynvml.nvmlInit()
+    version = pynvml.nvmlSystemGetDriverVersion()
+    return version.decode() if isinstance(version, bytes) else str(version)
+
+
+def _proc_driver_version() -> str | None:
+    return driver_version_from_proc(PROC_DRIVER_VERSION.read_text(encoding="utf-8", errors="replace"))
+
+
+def _smi_driver_version() -> str | None:
+    done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                          capture_output=True, text=True, timeout=20, check=True)  # fmt: skip
+    lines = done.stdout.strip().splitlines()
+    return lines[0].strip() if lines else None

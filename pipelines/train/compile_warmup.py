@@ -1,12 +1,17 @@
 """A compiled run's warm-up before its clocks start: the step compiled and run once on a batch of each shape, the
 compile cache consulted first (a blob loaded where this cache has not compiled the run's fingerprint) and updated
-after (manifest entry and blob), and what the compile found logged: Dynamo and Inductor cache hits and misses.
+after (manifest entry and blob), and what the compile found logged: Dynamo and Inductor cache hits and misses, and
+CUDA-graph skips. Where the run accumulates gradients, the accumulation path is warmed too (`warm_accumulation`).
+What compiles after the warm-up is counted by `CompileEvents` (torch's own counters): the trainer reports the
+recompiles and CUDA-graph skips of its timed steps (`recompiles_timed`, `cudagraph_skips_timed`).
 
 The optimizer's fresh state exists before the step is warmed, so on CUDA the graphs are recorded with it alive: a
 CUDA graph's replay never calls the allocator, so the recording is the only moment the allocator sees the step's
 activations and gradients, and the peak it reads there must hold the state too (weights + gradients + state + the
 graphs' pools). Without that, the state was first made in step 0's update, after the recording, and the trial's
-peak missed it: about 8 bytes a parameter under AdamW (`../shared/gpu/H200-2026-11-26.md`).
+peak missed it: about 8 bytes a parameter under AdamW (`../shared/gpu/H200-2026-11-26.md`). The trainer makes the
+state before its CUDA peak's window opens (`Trainer.start`), so the zeroed gradients that making it allocates for a
+moment are not what the peak reads: the recording is.
 """
 
 from __future__ import annotations
@@ -19,9 +24,30 @@ import numpy as np
 import torch
 
 from pipelines.train.compile_cache import CompileCache, cache_counters, device_name
-from pipelines.train.compiled_step import compile_step, graphs_built, use_cache
+from pipelines.train.compiled_step import compile_step, use_cache
 from pipelines.train.optim import create_fresh_state
 from pipelines.train.step import Batch, TrainStep
+
+
+@dataclass(frozen=True)
+class CompileEvents:
+    """Torch's counts, process-wide, of Dynamo graphs built (a recompile builds one) and of Inductor's CUDA-graph skips
+    (a compiled graph, or a call of it, run without CUDA graphs: at compile for its ops or inputs, at a call for a
+    mutated input or too many re-recordings), read now; `since` gives what happened in between."""
+
+    graphs: int
+    cudagraph_skips: int
+
+    @staticmethod
+    def now() -> CompileEvents:
+        """The counters as they are."""
+        from torch._dynamo.utils import counters
+
+        return CompileEvents(int(counters["stats"]["unique_graphs"]), int(counters["inductor"]["cudagraph_skips"]))
+
+    def since(self, before: CompileEvents) -> CompileEvents:
+        """What was counted between `before` and these counts."""
+        return CompileEvents(self.graphs - before.graphs, self.cudagraph_skips - before.cudagraph_skips)
 
 
 @dataclass
@@ -41,19 +67,23 @@ def state_before_recording(step: TrainStep) -> bool:
 
 
 def compile_and_warm(
-    step: TrainStep, batches: list[Batch], units: list[float], say: Callable[[str], None]
+    step: TrainStep, batches: list[Batch], units: list[float], say: Callable[[str], None], micro_batches: int = 1
 ) -> tuple[TrainStep, Warmed]:
-    """The step compiled and warmed on one batch of each shape (the caller times this), and what it found."""
+    """The step compiled and warmed on one batch of each shape (the caller times this), and on windows of
+    `micro_batches` where the run accumulates; and what it found."""
     cache, key = CompileCache(use_cache()), step.runtime.compile_key
     warmed = Warmed()
     warmed.notes["compile.state_before_recording"] = str(state_before_recording(step)).lower()
     loaded = key is not None and cache.load_blob(key)
     compiled = compile_step(step)
-    before, graphs, start = cache_counters(), graphs_built(), time.perf_counter()
+    before, events, start = cache_counters(), CompileEvents.now(), time.perf_counter()
     warm(compiled, batches, units)
-    seconds, after = time.perf_counter() - start, cache_counters()
+    if micro_batches > 1:
+        warm_accumulation(compiled, batches, units)
+    seconds, after, found = time.perf_counter() - start, cache_counters(), CompileEvents.now().since(events)
     warmed.metrics = {
-        "compile_graphs": float(graphs_built() - graphs),
+        "compile_graphs": float(found.graphs),
+        "compile_cudagraph_skips": float(found.cudagraph_skips),
         "compile_shapes": float(len(batches)),
         "compile_cache_hits": float(after["hits"] - before["hits"]),
         "compile_cache_misses": float(after["misses"] - before["misses"]),
@@ -67,9 +97,10 @@ def compile_and_warm(
         if blob is not None:
             warmed.notes["compile.blob"] = str(blob)
     m = warmed.metrics
+    skips = f"; {found.cudagraph_skips} CUDA-graph skips (run without CUDA graphs)" if found.cudagraph_skips else ""
     say(f"compile: {len(batches)} batch shapes warmed with {int(m['compile_graphs'])} graphs in {seconds:.1f} s; "
         f"cache {int(m['compile_cache_hits'])} hits, {int(m['compile_cache_misses'])} misses"
-        f"{', from a blob' if loaded else ''}; widths {step.runtime.padding}")  # fmt: skip
+        f"{', from a blob' if loaded else ''}; widths {step.runtime.padding}{skips}")  # fmt: skip
     return compiled, warmed
 
 
@@ -80,6 +111,17 @@ def warm(step: TrainStep, batches: list[Batch], units: list[float]) -> None:
     for batch, unit in zip(batches, units, strict=True):
         for _ in range(runs):
             step.backward(batch, unit)
+            step.optimizer.zero_grad(set_to_none=True)
+
+
+def warm_accumulation(step: TrainStep, batches: list[Batch], units: list[float]) -> None:
+    """Warm each shape as an accumulation window runs it: two micro-batches into the same gradients (the step's own
+    `.grad` buffers, `pipelines.train.step.stable_gradients`), twice on CUDA, so a CUDA graph the window's path needs
+    beyond a lone micro-batch's is recorded here, not in a timed step; no weight or optimizer state changes."""
+    runs = 2 if step.runtime.device.type == "cuda" else 1
+    for batch, unit in zip(batches, units, strict=True):
+        for _ in range(runs):
+            step.accumulate([batch, batch], 2 * unit)
             step.optimizer.zero_grad(set_to_none=True)
 
 

@@ -12,10 +12,14 @@ length histogram (`pipelines.data.batching.width_set`, at most 8) each width sti
 each on an H200. So a compiled run pads every batch to those widths and compiles the step once with the width
 dynamic (`with_dynamic_width`: dim 1 of every batch tensor marked dynamic), then warms one batch of each distinct
 shape of its whole plan (every epoch's batches are known before training) before the clocks start
-(`compile_time_s`): one compile, and on CUDA one recording per width. The graphs are bounded by the run's batch
-shapes (a model that specializes the width compiles one per shape, as static did), and a step that would need more
-fails with the reason instead of running eager without a word (`recompile_limit`'s silent fallback). A run with one
-width compiles it static.
+(`compile_time_s`): one compile, and on CUDA one recording per width. Every batch is also padded to the batch size's
+rows (`padded_rows`; the padding rows' targets ignored, so loss and gradients are the real rows'): an epoch's partial
+last batch compiled a second graph, its row count a new shape. Marking the rows dynamic too would also make one
+graph, but it compiled slower (a tiny BERT on this CPU, cold: 33.2 s against 24.9 s padded; the steps alike,
+9.8 ms), and padding costs one full step for the short batch, once an epoch (issue 60). The graphs are bounded by
+the run's batch shapes (a model that specializes the width compiles one per shape, as static did), and a step that
+would need more fails with the reason instead of running eager without a word (`recompile_limit`'s silent
+fallback). A run with one width compiles it static.
 Compiled graphs are cached under the project's `.cache/torch/` (Inductor's FX graph and AOTAutograd caches) with a
 manifest and Mega-Cache blobs (`pipelines.train.compile_cache`), so a second trial, experiment or machine with the
 same fingerprint loads them instead of compiling.
@@ -39,7 +43,7 @@ import torch
 from torch import nn
 
 from pipelines.data.batching import MAX_WIDTHS, PadCollator, width_set
-from pipelines.data.loader import make_collator
+from pipelines.data.loader import RowPadded, make_collator
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.params import Params
@@ -51,8 +55,8 @@ from pipelines.train.windows import training_sampler
 if TYPE_CHECKING:
     from pipelines.tasks.base import Task
 
-# Distinct batch shapes a compiled run accepts: the widths, times a few row counts (a partial last batch per
-# epoch, a packed split's last row). More than this (a token budget's varying rows) compiles too often to pay.
+# Distinct batch shapes a compiled run accepts: the widths, times a few row counts (where rows are not padded to one
+# count, `padded_rows`). More than this (a token budget's varying rows) compiles too often to pay.
 MAX_SHAPES = 2 * MAX_WIDTHS + 2
 CACHE_DIR = Path(".cache") / "torch"
 
@@ -233,7 +237,7 @@ def resolve_compile(
     steps = sum(math.ceil(len(batches) / params.grad_accum_steps) for batches in planned)
 
     def collect() -> list[tuple[tuple[str, tuple[int, ...]], ...]]:
-        collator = make_collator(train, params, widened, task)
+        collator = make_collator(train, params, widened, task, padded_rows(params))
         return [shape_of(collator(rows)) for rows in batches_by_shape(collator, [r for b in planned for r in b])]
 
     def keyed(shapes: list[tuple[tuple[str, tuple[int, ...]], ...]]) -> str:
@@ -244,12 +248,21 @@ def resolve_compile(
     return params.model_copy(update={"compile": choice.enabled}), trained_with, choice
 
 
+def padded_rows(params: Params, halvings: int = 0) -> int | None:
+    """The rows every batch of a compiled run is padded to (`pipelines.data.loader.pad_rows`): the batch size, halved
+    as the micro-batches are after an out-of-memory, so an epoch's partial last batch compiles no graph of its own;
+    None under a token budget, whose batches vary in rows by design."""
+    if params.data.max_tokens_per_batch is not None or not isinstance(params.batch_size, int):
+        return None
+    return -(-params.batch_size // 2**halvings)
+
+
 def shape_of(batch: Batch) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """A batch's shapes: what a compiled graph is specialised to."""
     return tuple((name, tuple(tensor.shape)) for name, tensor in sorted(batch.items()))
 
 
-def batches_by_shape(collator: PadCollator, batches: list[list[int]]) -> list[list[int]]:
+def batches_by_shape(collator: PadCollator | RowPadded, batches: list[list[int]]) -> list[list[int]]:
     """One batch (its rows) for each distinct shape among `batches`, collated on the host to read their shapes.
 
     A batch's shapes depend only on its row count and its longest row (and a seq2seq batch's longest source and

@@ -73,7 +73,8 @@ def final_metrics(
     return {k: float(v) for k, v in metrics.items()}
 
 
-# Under DDP: rows and tokens add up over ranks; times and memory peaks take the slowest/largest rank.
+# Under DDP: rows and tokens add up over ranks; times, memory peaks and the compiles that cost timed steps take the
+# slowest/largest rank (every rank waits for the one that recompiled).
 _MAXED = (
     *CLOCKS,
     "compile_time_s",
@@ -81,6 +82,8 @@ _MAXED = (
     "peak_rss_bytes",
     "peak_train_memory_bytes",
     "peak_reserved_bytes",
+    "recompiles_timed",
+    "cudagraph_skips_timed",
 )
 
 

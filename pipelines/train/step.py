@@ -117,6 +117,8 @@ class TrainStep:
         """
         wrapped = self.runs_through
         total = torch.zeros((), device=self.runtime.device)
+        if self.compiled_loss is not None and len(batches) > 1:
+            stable_gradients(self.model)
         for index, batch in enumerate(batches):
             # Gradients are reduced once per window, on its last micro-batch only (DDP: no_sync before it).
             last = index == len(batches) - 1
@@ -145,6 +147,19 @@ class TrainStep:
         """One optimizer step over a window's micro-batches (on the device): accumulate, then update."""
         loss = self.accumulate(batches, units_in_window, meter)
         return StepOutcome(loss, self.update())
+
+
+def stable_gradients(model: nn.Module) -> None:
+    """A zeroed `.grad` for every trained weight that has none, allocated outside any compiled graph.
+
+    A compiled backward run as a CUDA graph (`reduce-overhead`) writes its gradients into the graphs' memory pool, and
+    a `.grad` that is empty takes that output as it is; the window's next micro-batch replays the graphs into the
+    same pool, so the first micro-batch's gradients would be overwritten instead of added to (torch's cudagraph trees
+    raise where they notice, and replays do not notice). Into buffers of the step's own, every micro-batch's
+    gradients are added in place, as eager accumulation adds them; the update's `zero_grad` frees them as before."""
+    for param in model.parameters():
+        if param.requires_grad and param.grad is None:
+            param.grad = torch.zeros_like(param)
 
 
 def found_nonfinite(

@@ -23,8 +23,8 @@ from pipelines.data.loader import in_process, make_collator, make_loader, to_dev
 from pipelines.errors import UserError
 from pipelines.runtime import Runtime
 from pipelines.train.checkpoint import LoopState, find_resumable, restore, save_checkpoint
-from pipelines.train.compile_warmup import compile_and_warm, row_units
-from pipelines.train.compiled_step import batches_by_shape, bounded_graphs, graphs_built
+from pipelines.train.compile_warmup import CompileEvents, compile_and_warm, row_units, state_before_recording
+from pipelines.train.compiled_step import batches_by_shape, bounded_graphs, graphs_built, padded_rows
 from pipelines.train.measurement import TrainingMeter, probe_memory, rng_preserved
 from pipelines.train.memory import MemoryAtPeak, gradient_bytes, track_step
 from pipelines.train.memory_levers import apply_memory_levers
@@ -123,12 +123,15 @@ class Trainer:
         self.compiled = params.compile is True
         if params.compile == "auto":
             raise ValueError("compile: auto is resolved before training (pipelines.train.compiled_step.decide_compile)")
-        # A compiled run's batch shapes, one batch of each: every epoch's batches are planned before training.
+        # A compiled run's batch shapes, one batch of each: every epoch's batches are planned before training, and
+        # padded to one row count (`padded_rows`: a partial last batch would compile a graph of its own).
         self.shape_batches: list[list[int]] = []
         if self.compiled:
             planned = [rows for e in range(params.epochs) for rows in self.sampler.batches(e)]
-            self.shape_batches = batches_by_shape(make_collator(train, params, runtime, task), planned)
+            collator = make_collator(train, params, runtime, task, padded_rows(params))
+            self.shape_batches = batches_by_shape(collator, planned)
         self.graphs = {"compile_graphs": 0.0, "compile_graphs_in_loop": 0.0}
+        self.timed_from = CompileEvents(0, 0)  # a compiled run's compile counters as its timed steps start
         self.compile_notes: dict[str, str] = {}
 
     def run(self, setup_start: float) -> tuple[dict[str, float], LoopState, dict[str, str]]:
@@ -141,12 +144,25 @@ class Trainer:
                 self.epoch()
             self.graphs["compile_graphs_in_loop"] = float(graphs_built() - in_loop) if self.compiled else 0.0
         self.meter.pause()
+        self.count_timed_compiles()
         metrics = {**final_metrics(self.state, self.model, self.optimizer, self.device), **self.graphs}
         if self.fsdp:  # the metrics are this rank's shards'
             gather_full_weights(self.model, self.whole, self.rank, self.device)
         if self.world_size > 1:
             metrics = reduce_final_metrics(metrics, self.device)
         return metrics, self.state, {**self.runtime.notes(), **self.compile_notes}
+
+    def count_timed_compiles(self) -> None:
+        """Recompiles and CUDA-graph skips after the warm-up, in the timed steps: metrics, and a warning when any,
+        for the step times hold their cost (a recompile takes seconds where a step takes milliseconds)."""
+        timed = CompileEvents.now().since(self.timed_from) if self.compiled else CompileEvents(0, 0)
+        self.graphs.update(recompiles_timed=float(timed.graphs), cudagraph_skips_timed=float(timed.cudagraph_skips))
+        if timed.graphs or timed.cudagraph_skips:
+            self.say(
+                f"warning: compile: {timed.graphs} recompiles and {timed.cudagraph_skips} CUDA-graph skips in the "
+                "timed steps, after the warm-up; the step times (train_time_s, step_time_p50_ms and p90, "
+                "samples_per_s, tokens_per_s) include them"
+            )
 
     def start(self, setup_start: float) -> None:
         """Measure memory on the first window, resume from a checkpoint, wrap the model, start the clocks.
@@ -170,6 +186,10 @@ class Trainer:
         if self.world_size > 1 and not self.fsdp:
             forward = replicate(self.model, self.device)
         self.train_step = self.train_step.through(forward)
+        if self.compiled:
+            # The state before the CUDA peak's window opens: making it holds zeroed gradients beside it for a moment,
+            # as large as the recording's would be, and the peak must be the recording's (`compile_warmup`).
+            state_before_recording(self.train_step)
         self.meter = TrainingMeter(self.device, self.state, setup_start)  # clocks and CUDA peaks, beside the loop
         if self.compiled:
             self.compile_and_warm()
@@ -187,14 +207,16 @@ class Trainer:
         """Compile the step and run it on one batch of each of the run's shapes, on its own clock
         (`compile_time_s`), before any timed step, the optimizer's state alive (`pipelines.train.compile_warmup`);
         the gradients are dropped and the random state put back. The recording's CUDA peak counts as training's."""
-        loader = make_loader(self.train, self.shape_batches, in_process(self.params), self.runtime, self.task)
+        padded, accumulate = padded_rows(self.params), self.params.grad_accum_steps
+        loader = make_loader(self.train, self.shape_batches, in_process(self.params), self.runtime, self.task, padded)
         batches = [to_device(batch, self.device) for batch in loader]
         units = [row_units(rows, self.units) for rows in self.shape_batches]
         with self.meter.region("compile_time_s"), rng_preserved(self.device):
-            self.train_step, warmed = compile_and_warm(self.train_step, batches, units, self.say)
+            self.train_step, warmed = compile_and_warm(self.train_step, batches, units, self.say, accumulate)
         self.meter.keep_cuda_peaks()
         self.graphs.update(warmed.metrics)
         self.compile_notes = warmed.notes
+        self.timed_from = CompileEvents.now()
 
     def measure_memory(self) -> MemoryAtPeak | None:
         """Peak training memory and its breakdown from two runs of the first window; the weights are then put back."""
@@ -220,7 +242,8 @@ class Trainer:
             if loader is None:
                 # Resuming mid-epoch: the window plan is deterministic, so skip the windows already done.
                 remaining = [batch for window in windows[state.window :] for batch in window]
-                loader = iter(make_loader(self.train, remaining, params, self.runtime, self.task))
+                rows = padded_rows(params, state.oom_halvings) if self.compiled else None
+                loader = iter(make_loader(self.train, remaining, params, self.runtime, self.task, rows))
             outcome = self.step(loader, len(windows[state.window]), divisors[state.window])
             if outcome is None:  # out of memory: the step's frames are gone, so its activations can be freed
                 windows = recover_from_out_of_memory(self.optimizer, windows, state, self.device, self.world_size,
@@ -285,6 +308,8 @@ class Trainer:
             # The warm-up step is not timed, but it is training, and usually the largest (the longest batch comes
             # first, and the optimizer state is created in it): keep its peak before the next step's reset.
             self.meter.keep_cuda_peaks()
+            if self.compiled:  # what the untimed warm-up step compiled is not the timed steps'
+                self.timed_from = CompileEvents.now()
         else:
             self.meter.clock.lap()
             state.add_timed(counts.rows, counts.tokens, counts.positions, counts.wait_s)

@@ -130,3 +130,28 @@ def test_a_parent_shows_its_best_trials_figures_to_4_significant_digits_and_byte
     assert client.get_run(parent).data.metrics == {
         "test_accuracy": 0.7367, "train_time_s": 4.832, "samples_per_s": 2601.0,
         "peak_train_memory_bytes": 21998080.0, "peak_train_memory_mib": 21.0}  # fmt: skip
+
+
+# /proc/driver/nvidia/version as the proprietary and the open kernel modules write it (the driver of the H200 note).
+PROPRIETARY_MODULE = (
+    "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  Thu Oct 30 21:10:01 UTC 2025\n"
+    "GCC version:  gcc version 13.3.0 (Ubuntu 13.3.0-6ubuntu2~24.04) \n"
+)
+OPEN_MODULE = (
+    "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  550.54.14  Release Build  "
+    "(dvs-builder@U16-I3-B03-4-3)  Thu Feb 22 01:25:25 UTC 2024\n"
+    "GCC version:  gcc version 12.3.0 (Ubuntu 12.3.0-1ubuntu1~22.04) \n"
+)
+
+
+def test_the_driver_version_is_read_from_the_kernel_modules_proc_file(tmp_path: Path, monkeypatch):
+    from pipelines.tracking import environment
+
+    assert environment.driver_version_from_proc(PROPRIETARY_MODULE) == "580.159.04"
+    assert environment.driver_version_from_proc(OPEN_MODULE) == "550.54.14"
+    assert environment.driver_version_from_proc("GCC version:  gcc version 13.3.0\n") is None  # GCC's is not it
+    # Without NVML (this machine has no NVIDIA driver for it to load) the tag comes from the kernel module's file.
+    proc = tmp_path / "version"
+    proc.write_text(PROPRIETARY_MODULE, encoding="utf-8")
+    monkeypatch.setattr(environment, "PROC_DRIVER_VERSION", proc)
+    assert environment.cuda_driver_version() == "580.159.04"
