@@ -20,6 +20,14 @@ memory:
   made a Llama-shaped 1.1B's plan 96 MiB a block too high on an H200 (benchmarks/RESULTS.md).
 - **The caching allocator's 512-byte rounding** (`allocation_rounding`): every block is a multiple of 512
   bytes, as `torch.cuda.max_memory_allocated` counts it (MemTracker rounds CUDA tensors only).
+- **A compiled step's CUDA-graph pool** (`cuda_graph_pool`): `compile` on CUDA runs the step as Inductor's cudagraph
+  trees (`mode="reduce-overhead"`, `pipelines.train.compiled_step`), which record each padded width's forward and
+  backward into one private memory pool that every graph of the tree shares (torch's cudagraph_trees: a tree of
+  graphs A, B and A, B' uses max(mem(A, B), mem(A, B'))). So the pool holds about the largest graph's footprint:
+  the activations saved for backward at the widest padded width, plus the static copies of that batch, the
+  graphs' inputs (their outputs, the loss and the gradients, the plan counts already). The pool is never handed
+  back to the eager allocator, which keeps its own cache from the eager work of the trial (its memory probe,
+  evaluation), so a compiled plan counts both: the conservative side, which packing trials onto a card needs.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from pipelines.data.batching import HOST_COUNTS
 from pipelines.gpu_profiles import GpuProfile
 
 _LOWER = (
@@ -249,3 +258,15 @@ def allocation_rounding() -> Iterator[None]:
         yield
     finally:
         mem_tracker._WeakRefInfo._calculate_mem_consumed = original  # type: ignore[method-assign]
+
+
+def cuda_graph_pool(activations: int, batches: list[dict[str, torch.Tensor]]) -> int:
+    """A compiled CUDA step's graph pool (see the module): `activations`, the step's activation peak at its padded
+    widths, plus the largest of `batches` (its micro-batches, padded as the compiled trial pads them), its model
+    inputs in 512-byte blocks (the host counts are no graph's inputs)."""
+    inputs = (sum(_block_bytes(t) for k, t in batch.items() if k not in HOST_COUNTS) for batch in batches)
+    return activations + max(inputs, default=0)
+
+
+def _block_bytes(tensor: torch.Tensor) -> int:
+    return math.ceil(tensor.numel() * tensor.element_size() / 512) * 512

@@ -41,11 +41,13 @@ from pipelines.errors import UserError
 from pipelines.params import Params
 from pipelines.repeats import counted_repeats
 from pipelines.resolve.counted_step import marking_recompute, phased, track_counting_flops, window_kernels
+from pipelines.resolve.cuda_plan import cuda_graph_pool
 from pipelines.resolve.eval_memory import generation_peaks, largest_eval_batch, validation_peak
 from pipelines.resolve.qlora_plan import EightBitAdamWPlan, as_qlora
 from pipelines.resolve.target import CPU_TARGET, PlanTarget
 from pipelines.runtime import ResolvedPrecision, Runtime, resolve_pad_multiple
 from pipelines.tasks.base import Task
+from pipelines.train.compiled_step import compiled_runtime
 from pipelines.train.fast_dropout import fast_dropout
 from pipelines.train.flops import KernelCounter
 from pipelines.train.memory_levers import apply_memory_levers, resolve_loss
@@ -95,6 +97,7 @@ class MemoryPlan:
     update_kernels: int = 0  # ops the optimizer update launches (clip, scaler, step, zero)
     micro_batches: int = 1  # micro-batches in the planned window
     mean_positions: float = 0.0  # positions of the epoch's average window (the planned one is the longest)
+    cuda_graph_pool: int = 0  # a compiled CUDA step's graph pool, in `peak` (resolve/cuda_plan.cuda_graph_pool)
 
     def as_metrics(self) -> dict[str, float]:
         """MLflow names: `predicted_*`, beside the measured `peak_train_memory_bytes` and its breakdown."""
@@ -110,6 +113,7 @@ class MemoryPlan:
             "model_flops_per_step": float(self.model_flops),
             "predicted_eval_peak_bytes": float(self.eval_peak),
             "predicted_generation_peak_bytes": float(self.generation_peak),
+            "predicted_cuda_graph_pool_bytes": float(self.cuda_graph_pool),
         }
 
     def model_flops_per_position(self) -> float:
@@ -267,6 +271,19 @@ def _first_window(
     return window, units, peak_micro_batches(batches), sum(int(b["num_positions"]) for b in batches), mean
 
 
+def _planned_runtime(
+    params: Params, train: TokenizedSplit, target: PlanTarget, precision: ResolvedPrecision, pad_id: int
+) -> tuple[Runtime, bool]:
+    """The runtime the fake step runs with (on the CPU, in the trial's precision, padded as on the target's device),
+    and whether the trial runs compiled on CUDA (`compile: true` on a card; `compile: auto` is decided by the trial
+    itself, after its plan, so a plan cannot know it: `plan_targets(compiled_auto=True)` plans it as compiled, for
+    packing). A compiled trial pads its bucketed batches to a few widths (`pipelines.train.compiled_step`), and its
+    peak sees the widest of them; its graphs' pool is added to the peak (`cuda_graph_pool`)."""
+    runtime = Runtime(CPU, precision, False, resolve_pad_multiple(params, target.device), pad_id)
+    compiled = target.card is not None and params.compile is True
+    return (compiled_runtime(runtime, params, train) if compiled else runtime), compiled
+
+
 @_unavailable_on_failure
 def plan_memory(
     params: Params,
@@ -289,8 +306,7 @@ def plan_memory(
     if params.adapter.type == "qlora":
         return _plan_qlora(params, task, train, build_base, pad_id, precision, target)
     start = time.perf_counter()
-    # The fake step runs on the CPU, with the trial's precision and its padding on `device`.
-    runtime = Runtime(CPU, precision, False, resolve_pad_multiple(params, device), pad_id)
+    runtime, compiled = _planned_runtime(params, train, target, precision, pad_id)
     window, units, batches, all_positions, mean_positions = _first_window(params, task, train, runtime)
     # The planned micro-batches stand for the whole window: FLOPs scale with its positions (read here: under
     # fake mode, reading a tensor's value is a data-dependent op).
@@ -322,8 +338,9 @@ def plan_memory(
         state = [v for v in state if v.numel() > 1]  # as the trial counts: moments and factors, not scalar steps
         with target.rules(), counted_repeats():  # memory only: nothing here is counted
             eval_peak, generation = _evaluation_peaks(train_step, eval_batch, train, params)
+    pool = cuda_graph_pool(peak.activations_peak, batches) if compiled else 0
     plan = MemoryPlan(
-        peak=peak.total,
+        peak=peak.total + pool,
         parameters=_nbytes(list(model.parameters())),
         trainable_parameters=_nbytes(trainable),
         gradients=_nbytes(trainable),
@@ -341,7 +358,7 @@ def plan_memory(
         target=target.name,
         step_kernels=window_kernels(kernels, len(window), len(batches)),
         update_kernels=kernels.count("update", step=1),
-        micro_batches=len(window), mean_positions=mean_positions,
+        micro_batches=len(window), mean_positions=mean_positions, cuda_graph_pool=pool,
     )  # fmt: skip
     if params.distributed.strategy == "fsdp" and params.distributed.num_workers > 1:
         return plan.sharded(params.distributed.num_workers, fsdp_gathered_bytes(model))

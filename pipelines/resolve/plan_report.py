@@ -47,9 +47,11 @@ class TargetPlan:
 
 
 def plan_targets(
-    params: Params, root: Path, tokenized: Path, targets: list[PlanTarget], fastest: bool = True
-) -> dict[str, dict[str, TargetPlan]]:
-    """`{target name: {variant: TargetPlan}}` for every variant of `tune.variants` (or the params alone)."""
+    params: Params, root: Path, tokenized: Path, targets: list[PlanTarget], fastest: bool = True,
+    compiled_auto: bool = False,
+) -> dict[str, dict[str, TargetPlan]]:  # fmt: skip
+    """`{target name: {variant: TargetPlan}}` for every variant of `tune.variants` (or the params alone);
+    `compiled_auto`: each `compile: auto` planned as compiled (`as_compiled`)."""
     from transformers import AutoTokenizer
 
     from pipelines.tasks import get_task
@@ -58,6 +60,8 @@ def plan_targets(
     train = TokenizedSplit.load(tokenized / "train")
     base = params.model_copy(update={"tune": params.tune.model_copy(update={"variants": {}, "search_space": {}})})
     variants = {name: apply_overrides(base, dict(o)) for name, o in (params.tune.variants or {"default": {}}).items()}
+    if compiled_auto:
+        variants = {name: as_compiled(variant) for name, variant in variants.items()}
     out: dict[str, dict[str, TargetPlan]] = {}
     shared: dict[tuple[str, str], MemoryPlan] = {}  # (target's plan key, params): cards alike plan alike, once
     for target in targets:
@@ -68,6 +72,20 @@ def plan_targets(
             planner = _shared(trial_planner(task, rows, tokenizer, tokenized, root, target), target, shared)
             out[target.name][name] = _on_target(variant, planner, target, fastest)
     return out
+
+
+def as_compiled(variant: Params) -> Params:
+    """`variant` with `compile: auto` as `true`: the trial decides auto after its plan (from the predicted saving and
+    the compile cache), so a plan made before, to pack trials onto a card, takes the conservative side (a compiled
+    step's padded widths and graph pool, `pipelines.resolve.cuda_plan.cuda_graph_pool`). As written where auto stays
+    off anyway: activation offloading, and what the params' rules refuse with compile: true (kernels: liger,
+    loss_impl: chunked, FSDP)."""
+    if variant.compile != "auto" or variant.activation_offload:
+        return variant
+    try:
+        return apply_overrides(variant, {"compile": True})
+    except UserError:
+        return variant
 
 
 def _shared(
@@ -202,6 +220,7 @@ def target_table(name: str, plans: dict[str, TargetPlan]) -> str:
     for variant, entry in plans.items():
         plan = entry.plan
         notes += [f"- {variant}: {entry.advice}"] if entry.advice else []
+        notes += [_pool_line(variant, plan.cuda_graph_pool)] if plan is not None and plan.cuda_graph_pool else []
         if plan is None:
             lines.append(f"| {variant} | {entry.precision} | not planned: {entry.unavailable} |" + "  |" * 5)
             continue
@@ -210,6 +229,12 @@ def target_table(name: str, plans: dict[str, TargetPlan]) -> str:
                      f"{_speed(entry.step)} |")  # fmt: skip
     assumed = _tf32_line(plans)
     return "\n".join(lines + ([""] + [assumed] if assumed else []) + ([""] + notes if notes else []))
+
+
+def _pool_line(variant: str, pool: int) -> str:
+    """A compiled variant's CUDA-graph pool, as its own line: part of its predicted peak."""
+    return (f"- {variant}: compiled on CUDA: its predicted peak includes {_size(pool)} of CUDA-graph pool (its widest "
+            "padded width's activations and batch, held by the graphs beside the eager allocator's cache)")  # fmt: skip
 
 
 def _tf32_line(plans: dict[str, TargetPlan]) -> str | None:

@@ -7,6 +7,8 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from pipelines.params import Params
+
 # The trials' processes (not the driver, which draws their progress bars with tqdm): no per-file or
 # per-tensor progress bars from the libraries they call (transformers' GGUF de-quantization and weight
 # loading, the hub's downloads). tqdm reads TQDM_* once, at import, so they are set when a worker starts.
@@ -27,8 +29,9 @@ def worker_env() -> dict[str, str]:
     return {**WORKER_ENV, "MLFLOW_DISABLE_TELEMETRY": os.environ.get("MLFLOW_DISABLE_TELEMETRY", "true"), **credentials}
 
 
-def init_ray(num_cpus: int, address: str | None) -> None:
-    """Join the cluster at `address`, else start a local one sized to this machine, dashboard off."""
+def init_ray(num_cpus: int, address: str | None, num_gpus: int | None = None) -> None:
+    """Join the cluster at `address`, else start a local one sized to this machine (`num_gpus`: its GPUs, see
+    `local_ray_gpus`; None leaves them to Ray's own detection), dashboard off."""
     import ray
 
     if ray.is_initialized():
@@ -41,16 +44,34 @@ def init_ray(num_cpus: int, address: str | None) -> None:
         # "local": always a new cluster of our own. Without it ray.init joins whatever cluster
         # /tmp/ray/ray_current_cluster names: another user's `ray start`, or one killed without cleanup.
         with quiet_token_notice():
-            start_local_ray(num_cpus, runtime_env)
+            start_local_ray(num_cpus, runtime_env, num_gpus)
 
 
-def start_local_ray(num_cpus: int, runtime_env: dict[str, object]) -> None:
-    """A new local Ray cluster of our own, sized to `num_cpus`, dashboard off."""
+def local_ray_gpus(params: Params) -> int:
+    """The GPUs a local Ray head is told this machine has: torch's CUDA devices where the trials train on CUDA (the
+    device `pipelines.runtime.resolve_device` picks), else 0.
+
+    Ray counts GPUs its own way (CUDA_VISIBLE_DEVICES, else NVML), and where that finds none, as in a container
+    without NVML, `gpu: auto` fell back to a whole GPU per trial that Ray never had, and Tune waited forever.
+    """
+    import torch
+
+    from pipelines.runtime import resolve_device
+
+    if not torch.cuda.is_available():
+        return 0  # device: cuda without CUDA: its trial fails with resolve_device's message, not the driver
+    return torch.cuda.device_count() if resolve_device(params).type == "cuda" else 0
+
+
+def start_local_ray(num_cpus: int, runtime_env: dict[str, object], num_gpus: int | None = None) -> None:
+    """A new local Ray cluster of our own, sized to `num_cpus` and `num_gpus` (None: Ray's detection), dashboard
+    off."""
     import ray
 
     ray.init(
         address="local",
         num_cpus=num_cpus,
+        num_gpus=num_gpus,
         include_dashboard=False,
         log_to_driver=True,
         configure_logging=False,

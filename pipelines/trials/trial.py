@@ -43,6 +43,7 @@ from pipelines.tracking.uploads import TRIAL_PREFIX, Upload, send_or_defer
 from pipelines.train.checkpoint import claim_checkpoint_dir
 from pipelines.train.memory import reset_peak_rss
 from pipelines.trial_context import FINAL_KEY, REPEAT_KEY, VARIANT_ORDER_TAG, TrialContext
+from pipelines.trials.card_share import CardShare, enforced_share
 from pipelines.trials.ray_cluster import progress_bar
 
 __all__ = ["run_trial", "trial_overrides"]
@@ -74,8 +75,9 @@ def shown_figures(metrics: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def run_trial(config: dict[str, Any], context: TrialContext) -> None:
-    """Ray Tune function trainable: train one configuration and report its metrics."""
+def run_trial(config: dict[str, Any], context: TrialContext, shares: dict[str, CardShare] | None = None) -> None:
+    """Ray Tune function trainable: train one configuration and report its metrics (`shares`: each variant's share
+    of a card under `gpu: auto`, which a packed trial enforces)."""
     leave_retries_to_run_logger()
     quiet_mlflow_info()
     trial_start = time.perf_counter()
@@ -132,7 +134,8 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
                 trial = Trial(context, variant, trial_id, run_id, logger, tune.report, checkpoint_dir,
                               log_model=model_logger(logger, context.experiment_id, run_id, trial_id),
                               make_bar=progress_bar(context.progress_bars))  # fmt: skip
-                metrics = train_and_save(trial, params)
+                with enforced_share(params, (shares or {}).get(variant), variant, logger.log_tags):
+                    metrics = train_and_save(trial, params)
         metrics["wall_time_s"] = time.perf_counter() - trial_start
         metrics = shown_figures(metrics | host_load.stop() | together.stop())
         logger.log_tags({METRIC: f"{metrics[METRIC]:.0f}"})

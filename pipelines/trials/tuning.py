@@ -32,8 +32,8 @@ from pipelines.tracking.runs import (
 )
 from pipelines.tracking.status import RUNS_VIEW_TAG, ended_run, log_best_on_parent, runs_view, stopped_tags
 from pipelines.trial_context import FINAL_KEY, REPEAT_KEY, TrialContext
-from pipelines.trials.card_share import gpu_shares, shared_resources
-from pipelines.trials.ray_cluster import init_ray, tune_console
+from pipelines.trials.card_share import CardShare, gpu_shares, refuse_gpus_ray_lacks, shared_resources
+from pipelines.trials.ray_cluster import init_ray, local_ray_gpus, tune_console
 from pipelines.trials.unsent import BEST_DIR, keep_unsent_folders, save_summary
 
 # Keys in a trial's result that are bookkeeping (ours or Ray's), not measurements.
@@ -53,7 +53,7 @@ _NON_METRIC_KEYS = {
 }
 
 
-def run_trial(config: dict[str, Any], context: TrialContext) -> None:
+def run_trial(config: dict[str, Any], context: TrialContext, shares: dict[str, CardShare] | None = None) -> None:
     """Ray Tune's function trainable: `pipelines.trials.trial.run_trial`, imported in the trial's own process.
 
     Tune pickles this function by reference, so the driver never imports the engine and transformers' model code
@@ -61,7 +61,7 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
     """
     from pipelines.trials.trial import run_trial as train_one_configuration
 
-    train_one_configuration(config, context)
+    train_one_configuration(config, context, shares)
 
 
 def tune_verbosity(params: Params) -> int:
@@ -217,12 +217,13 @@ def run_tuning(
         client.set_terminated(parent_run_id, status=status)
 
     with ended_run(close):
-        init_ray(local_ray_cpus(params, cpus), ray_address(params))
+        init_ray(local_ray_cpus(params, cpus), ray_address(params), local_ray_gpus(params))
+        refuse_gpus_ray_lacks(params, resources["gpu"], ray_address(params))  # else Tune would wait for them forever
         shares = gpu_shares(params, root, tokenized_dir)  # gpu: auto on a cluster with GPUs: trials packed by plan
         if shares is not None:
             context = replace(context, card_sharing={variant: share.sharing for variant, share in shares.items()})
         placed = resources if shares is None else shared_resources(resources["cpu"], shares)
-        tuner = build_tuner(params, context, placed, objective, root)
+        tuner = build_tuner(params, context, placed, objective, root, shares)
         with tune_console(tune_verbosity(params)):
             results = tuner.fit()
         summary = _summarize(results, params, parent_run_id, experiment_id, tracking_uri)
@@ -245,15 +246,17 @@ def run_tuning(
 
 
 def build_tuner(
-    params: Params, context: TrialContext, resources: dict[str, float] | Any, objective: tuple[str, str], root: Path
-) -> Any:
-    """The Tuner of every trial: seeded sampling, its scheduler, a fresh process per trial, Tune's result files."""
+    params: Params, context: TrialContext, resources: dict[str, float] | Any, objective: tuple[str, str], root: Path,
+    shares: dict[str, CardShare] | None = None,
+) -> Any:  # fmt: skip
+    """The Tuner of every trial: seeded sampling, its scheduler, a fresh process per trial, Tune's result files; each
+    trial gets its variant's card share (`gpu: auto`), which it enforces."""
     from ray import tune
     from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
     from ray.tune.search import BasicVariantGenerator
 
     tuner = tune.Tuner(
-        tune.with_resources(tune.with_parameters(run_trial, context=context), resources),
+        tune.with_resources(tune.with_parameters(run_trial, context=context, shares=shares), resources),
         param_space=param_space(params),
         tune_config=tune.TuneConfig(
             metric=objective[0],

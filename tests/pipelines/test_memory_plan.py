@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -238,3 +239,53 @@ def test_a_qlora_trial_on_a_cpu_is_planned_and_stops_only_where_cuda_is_needed(d
         train_one(params, tmp_path)
     assert "cuda" in str(stopped.value).lower() or "bitsandbytes" in str(stopped.value).lower(), stopped.value
     assert plans and plans[0].plan is not None and plans[0].unavailable is None  # planned before that point
+
+
+def compiled_case(default_params: Params, compiled: bool, target_name: str = "H100-80GB", **overrides):
+    """A tiny BERT's plan on a card, `compile` true or false (fp32, batches of 16 rows)."""
+    from pipelines.resolve.target import target_named
+
+    settings = {"batch_size": 16, "precision": "fp32", "fast_dropout": False, "compile": compiled, **overrides}
+    params, task, _, build = bert_case(default_params, settings)
+    return lambda train: plan_memory(
+        params, task, train, build, lambda m: m, 0, "fp32", target=target_named(target_name)
+    )
+
+
+def test_a_compiled_cuda_step_is_planned_with_its_cuda_graph_pool_as_its_own_line(default_params):
+    from pipelines.data.tokenization import TokenizedSplit
+    from pipelines.resolve.plan_report import TargetPlan, target_table
+
+    # Rows of one length (40, a multiple of 8): the compiled run's one width is the eager run's, so the two plans
+    # differ by the pool alone.
+    rows, width = 64, 40
+    train = TokenizedSplit(np.full(rows * width, 5, np.int32), np.full(rows, width, np.int32), np.zeros(rows, np.int64))
+    eager, compiled = compiled_case(default_params, False)(train), compiled_case(default_params, True)(train)
+    assert eager.cuda_graph_pool == 0 and compiled.batch_width == eager.batch_width == width
+
+    def blocks(nbytes: int) -> int:  # the caching allocator's 512-byte blocks
+        return -(-nbytes // 512) * 512
+
+    # By hand: the widest graph's saved activations, plus its static batch: input_ids and attention_mask (int64,
+    # 16 rows x 40) and the labels (int64, 16).
+    pool = eager.activations + 2 * blocks(16 * width * 8) + blocks(16 * 8)
+    assert compiled.cuda_graph_pool == pool and compiled.peak - eager.peak == pool
+    assert compiled.as_metrics()["predicted_cuda_graph_pool_bytes"] == pool
+    table = target_table("H100-80GB", {"compiled": TargetPlan(compiled, "fp32"), "eager": TargetPlan(eager, "fp32")})
+    line = f"- compiled: compiled on CUDA: its predicted peak includes {pool / 2**20:,.1f} MiB of CUDA-graph pool"
+    assert line in table and "- eager: compiled" not in table
+    # A CPU runs no CUDA graphs: compile: true there is planned as eager.
+    assert compiled_case(default_params, True, "cpu")(train).cuda_graph_pool == 0
+
+
+def test_a_compiled_cuda_step_is_planned_at_its_padded_width(default_params):
+    # Without a pad multiple an eager step is as wide as its longest row; a compiled one pads to its widths
+    # (`pipelines.data.batching.width_set`: multiples of 8 then), and its activations grow with them.
+    train = tiny_split(rows=64, max_len=38, seed=1)
+    longest = int(train.lengths.max())
+    assert longest % 8 != 0
+    eager = compiled_case(default_params, False, **{"data.pad_to_multiple_of": None})(train)
+    compiled = compiled_case(default_params, True, **{"data.pad_to_multiple_of": None})(train)
+    assert eager.batch_width == longest and compiled.batch_width == -(-longest // 8) * 8
+    assert compiled.activations > eager.activations
+    assert compiled.peak - compiled.cuda_graph_pool > eager.peak  # the wider batch costs more, pool aside

@@ -1,8 +1,11 @@
-"""What a trial reserves on Ray: a single-process trial, or a distributed trial's driver and workers."""
+"""What a trial reserves on Ray: a single-process trial, or a distributed trial's driver and workers; what a local Ray
+is told of this machine's GPUs, and trials asking for GPUs Ray lacks refused before Tune starts."""
 
 from __future__ import annotations
 
 import os
+
+import pytest
 
 from pipelines.trials.tuning import local_ray_cpus, trial_resources, worker_threads
 from tests.conftest import tiny_params
@@ -48,3 +51,48 @@ def test_a_cpu_trial_reserves_no_gpu_even_where_cuda_is_present(default_params, 
     assert trial_resources(tiny_params(default_params, device="auto"), 8)["gpu"] == 1.0
     declared = tiny_params(default_params, **{"device": "cpu", "tune.resources_per_trial.gpu": 0.5})
     assert trial_resources(declared, 8)["gpu"] == 0.5  # what the user declared stands
+
+
+def test_a_local_ray_is_told_the_gpus_torch_sees_and_none_for_a_cpu_run(default_params):
+    import torch
+
+    from pipelines.trials.ray_cluster import local_ray_gpus
+
+    # torch's count where the trials train on CUDA (device: auto), whatever Ray's own detection would find.
+    assert local_ray_gpus(tiny_params(default_params, device="auto")) == torch.cuda.device_count()
+    assert local_ray_gpus(tiny_params(default_params, device="cpu")) == 0  # a CPU run holds no GPU back
+
+
+def test_a_train_stage_asking_for_gpus_ray_lacks_fails_in_seconds_instead_of_waiting_forever(
+    default_params, own_ray_cluster, tmp_path
+):
+    import time
+
+    import ray
+    import torch
+
+    from pipelines.errors import UserError
+    from pipelines.trials.tuning import run_tuning
+
+    # One GPU more than this machine has (none here): Ray's local cluster, told torch's count, cannot place a trial.
+    asked = torch.cuda.device_count() + 1
+    params = tiny_params(default_params, **{"tune.resources_per_trial.gpu": asked, "tune.address": None})
+    if ray.is_initialized():  # a cluster of this process's own, started by run_tuning below
+        ray.shutdown()
+    start = time.perf_counter()
+    try:
+        with pytest.raises(UserError) as refused:
+            run_tuning(params, tmp_path, tmp_path / "tokenized", tmp_path / "model", {})
+        took = time.perf_counter() - start
+        seen = ray.cluster_resources().get("GPU", 0)
+    finally:
+        ray.shutdown()
+    assert seen == torch.cuda.device_count()  # the local head was told torch's count
+    message = str(refused.value)
+    assert (
+        f"each trial asks Ray for {asked} GPU(s) (tune.resources_per_trial.gpu = {float(asked)}: as declared)"
+        in message
+    )
+    assert f"has {seen:g} (ray.cluster_resources() GPU: {seen:g}), so Ray Tune would wait for them forever" in message
+    assert "or train on the CPU (device: cpu)" in message
+    assert took < 120, took  # Ray's start and MLflow's store, no trial: before, Tune waited for the GPU forever
