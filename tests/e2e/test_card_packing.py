@@ -48,3 +48,5 @@ def test_four_small_variants_are_packed_four_to_a_card(project_copy: Path, tmp_p
         assert child.info.status == "FINISHED"
         assert child.data.tags["card.sharing"] == "4" and child.data.metrics["card_sharing"] == 4
         assert child.data.tags["card.gpu_share"] == "0.25" and child.data.tags["card.ray_gpu"] == "0.25"
+        # The share is enforced on CUDA only (set_per_process_memory_fraction); these trials train on the CPU.
+        assert child.data.tags["card.memory_fraction"] == "none (trains on cpu)"

@@ -96,6 +96,13 @@ CASES = [
         None,
         "distributed.use_gpu = true with distributed.num_workers = 2 needs 2 GPUs",
     ),
+    (
+        "GPUs per trial that Ray lacks",
+        "train",
+        {"tune.resources_per_trial.gpu": 1},
+        None,
+        "but the Ray cluster started here (told this machine's CUDA devices, torch's count) has 0",
+    ),
 ]
 
 
