@@ -52,8 +52,9 @@ def answers(url: str) -> bool:
 
 
 class Postgres:
-    """A PostgreSQL cluster in a fresh folder, run by the `postgres` user when the tests run as root (it refuses
-    root), trusting connections from 127.0.0.1 only."""
+    """A PostgreSQL cluster in a fresh folder made by the how-to's commands: its superuser `mlflow` with a random
+    password, scram-sha-256 for every connection. Run by the `postgres` user when the tests run as root (it refuses
+    root). Clients find the password in `pgpass` (`client_env`: PGPASSFILE), as the how-to's server does."""
 
     def __init__(self) -> None:
         initdb, self.pg_ctl = postgres_bin("initdb"), postgres_bin("pg_ctl")
@@ -62,19 +63,38 @@ class Postgres:
         # Not under pytest's tmp_path: its parents are root's alone, and the server runs as another user.
         self.folder = Path(tempfile.mkdtemp(prefix="team-pg-"))
         self.port, self.as_user = free_port(), (["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else [])
+        self.password = secrets.token_urlsafe(18)
+        self.client_env = {"PGPASSFILE": str(self._write_pgpass())}
         if self.as_user:
             shutil.chown(self.folder, "postgres")
-        self._run([initdb, "-D", str(self.folder / "data"), "--auth=trust", "-U", "postgres", "--no-sync"])
+        # The how-to's initdb as written; --pwprompt asks twice. Run in a session of its own, without a terminal,
+        # so PostgreSQL's prompt reads stdin (it reads /dev/tty when there is one), and the password is in no argv.
+        self._run([initdb, "-D", str(self.folder / "data"), "--auth=scram-sha-256", "-U", "mlflow", "--pwprompt",
+                   "--no-sync"], typed=f"{self.password}\n{self.password}\n")  # fmt: skip
         self.start()
-        self._run([postgres_bin("createdb") or "createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
-                   "mlflow"])  # fmt: skip
-        self.uri = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/mlflow"
+        createdb = postgres_bin("createdb") or "createdb"
+        self._run([createdb, "-h", "127.0.0.1", "-p", str(self.port), "-U", "mlflow", "mlflow"])
+        # The how-to's URI: the user, no password (that is in PGPASSFILE, and so in no `ps`).
+        self.uri = f"postgresql+psycopg://mlflow@127.0.0.1:{self.port}/mlflow"
 
-    def _run(self, cmd: list[str]) -> None:
-        subprocess.run([*self.as_user, *cmd], check=True, capture_output=True, cwd=self.folder, timeout=120)
+    def _write_pgpass(self) -> Path:
+        """libpq's password file (host:port:database:user:password), mode 600: libpq ignores one others may read."""
+        pgpass = self.folder / "pgpass"
+        pgpass.write_text(f"127.0.0.1:{self.port}:*:mlflow:{self.password}\n")
+        pgpass.chmod(0o600)
+        if self.as_user:
+            shutil.chown(pgpass, "postgres")  # createdb runs as postgres; root's server reads it all the same
+        return pgpass
+
+    def _run(self, cmd: list[str], typed: str | None = None) -> None:
+        subprocess.run([*self.as_user, *cmd], check=True, capture_output=True, cwd=self.folder, timeout=120,
+                       input=typed, text=True, env={**os.environ, **self.client_env},
+                       start_new_session=True)  # fmt: skip
 
     def start(self) -> None:
-        options = f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.folder} -c fsync=off"
+        # The how-to's options on a free port; -k: the socket in the folder (Debian's /var/run/postgresql is not
+        # everyone's), fsync off: a throw-away store.
+        options = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.folder} -c fsync=off"
         self._run([self.pg_ctl, "-D", str(self.folder / "data"), "-o", options, "-l", str(self.folder / "log"),
                    "-w", "start"])  # fmt: skip
 
@@ -132,11 +152,12 @@ def _boto_keys() -> dict[str, str]:
 
 
 class TeamServer:
-    """`mlflow server --app-name basic-auth` over `store` (a PostgreSQL URI) with artifacts proxied to the bucket;
-    an admin with a random password, made on first start. `credentials(user)` is what a member exports."""
+    """`mlflow server --app-name basic-auth` over `store` (a PostgreSQL URI; `store_env`: how the server finds its
+    password) with artifacts proxied to the bucket; an admin with a random password, made on first start.
+    `credentials(user)` is what a member exports."""
 
-    def __init__(self, folder: Path, store: str, bucket: S3Bucket) -> None:
-        self.folder, self.store, self.bucket = folder, store, bucket
+    def __init__(self, folder: Path, store: str, bucket: S3Bucket, store_env: dict[str, str] | None = None) -> None:
+        self.folder, self.store, self.bucket, self.store_env = folder, store, bucket, store_env or {}
         self.port, self.proc = free_port(), None
         self.url = f"http://127.0.0.1:{self.port}"
         self.passwords = {"admin": secrets.token_urlsafe(18)}
@@ -155,6 +176,7 @@ class TeamServer:
             **git_env(),
             **SERVER_ENV,
             **S3_KEYS,
+            **self.store_env,
             "AWS_MAX_ATTEMPTS": "1",
             "MLFLOW_S3_ENDPOINT_URL": self.bucket.url,
             "MLFLOW_AUTH_CONFIG_PATH": str(self.folder / "auth.ini"),
@@ -227,7 +249,7 @@ class TeamStack:
     def __init__(self, folder: Path) -> None:
         self.postgres = Postgres()
         self.bucket = S3Bucket(folder)
-        self.server = TeamServer(folder, self.postgres.uri, self.bucket)
+        self.server = TeamServer(folder, self.postgres.uri, self.bucket, self.postgres.client_env)
         self.experiment_id: str | None = None  # the team's experiment, once the admin made it
         try:
             self.bucket.start()

@@ -64,10 +64,13 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
     # docs/how-to/team-server.md: the same stack, on this machine (tests/e2e/team_stack.py builds it per test).
     'pip install -e ".[team]"': ("pyproject.toml", "team = ["),
     "initdb -D /srv/mlflow-pg --auth=scram-sha-256 -U mlflow --pwprompt": (
-        "tests/e2e/team_stack.py::Postgres", '"--auth=trust"'),
+        "tests/e2e/team_stack.py::Postgres",
+        '"-D", str(self.folder / "data"), "--auth=scram-sha-256", "-U", "mlflow", "--pwprompt"'),
     'pg_ctl -D /srv/mlflow-pg -o "-c listen_addresses=127.0.0.1 -p 5432" -l /srv/mlflow-pg.log start': (
-        "tests/e2e/team_stack.py::Postgres", "listen_addresses=127.0.0.1"),
-    "createdb -h 127.0.0.1 -U mlflow mlflow": ("tests/e2e/team_stack.py::Postgres", '"createdb"'),
+        "tests/e2e/team_stack.py::Postgres", 'f"-c listen_addresses=127.0.0.1 -p {self.port} '),
+    "createdb -h 127.0.0.1 -U mlflow mlflow": (
+        "tests/e2e/team_stack.py::Postgres",
+        '[createdb, "-h", "127.0.0.1", "-p", str(self.port), "-U", "mlflow", "mlflow"]'),
     "export MLFLOW_AUTH_CONFIG_PATH=/srv/mlflow-auth.ini": ("tests/e2e/team_stack.py::TeamServer",
                                                             '"MLFLOW_AUTH_CONFIG_PATH"'),
     "export MLFLOW_AUTH_ADMIN_PASSWORD='<a long random password>'": ("tests/e2e/team_stack.py::TeamServer",

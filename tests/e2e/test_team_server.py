@@ -4,6 +4,7 @@ server, basic auth. Two experiments at once, restarts mid-run, a bucket that fai
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import FOUR_VARIANTS, QUICK, git_env, run, write_params
-from tests.e2e.team_stack import EXPERIMENT, TeamStack, as_user, postgres_bin
+from tests.e2e.team_stack import EXPERIMENT, Postgres, TeamStack, as_user, postgres_bin
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -56,15 +57,17 @@ def assert_every_step_arrived(client: MlflowClient, child) -> None:
 
 
 def assert_no_password_anywhere(team: TeamStack, root: Path) -> None:
-    """No password in a file under `root` (the pipeline's outputs, DVC's and Ray's files), nor in the store."""
-    secrets = [p.encode() for p in team.server.passwords.values()]
+    """No password (the members', the admin's, the store's) in a file under `root` (the pipeline's outputs, DVC's and
+    Ray's files), nor in the store."""
+    secrets = [p.encode() for p in [*team.server.passwords.values(), team.postgres.password]]
     for path in root.rglob("*"):
         if path.is_file() and ".git" not in path.parts:
             data = path.read_bytes()
             assert not any(s in data for s in secrets), f"a password is in {path}"
     dump = subprocess.run(
         [*team.postgres.as_user, postgres_bin("pg_dump"), "-h", "127.0.0.1", "-p", str(team.postgres.port),
-         "-U", "postgres", "mlflow"], capture_output=True, check=True, cwd=team.postgres.folder,
+         "-U", "mlflow", "mlflow"], capture_output=True, check=True, cwd=team.postgres.folder,
+        env={**os.environ, **team.postgres.client_env},
     ).stdout  # fmt: skip
     assert b"CREATE TABLE" in dump and not any(s in dump for s in secrets)
 
@@ -202,3 +205,21 @@ def test_the_server_refuses_a_reader_and_a_wrong_password_before_any_trial(proje
     assert "not-the-password" not in refused.stderr + refused.stdout
     assert runs_of(team) == [] and not (project_copy / "checkpoints").exists()  # no run opened, no trial started
     assert_no_password_anywhere(team, project_copy)
+
+
+def test_the_store_lets_in_only_the_how_tos_user_with_its_password():
+    """The store as the how-to's initdb makes it: every connection rule scram-sha-256, so user `mlflow` is refused
+    without its password and let in with it (from PGPASSFILE, as the server finds it)."""
+    store = Postgres()
+    try:
+        query = [*store.as_user, postgres_bin("psql"), "-h", "127.0.0.1", "-p", str(store.port), "-U", "mlflow", "-w",
+                 "-Atc", "SELECT DISTINCT auth_method FROM pg_hba_file_rules", "mlflow"]  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k != "PGPASSWORD"}
+        refused = subprocess.run(query, capture_output=True, text=True, cwd=store.folder, timeout=60,
+                                 env={**env, "PGPASSFILE": str(store.folder / "absent")})  # fmt: skip
+        assert refused.returncode != 0 and "password" in refused.stderr, refused
+        allowed = subprocess.run(query, capture_output=True, text=True, cwd=store.folder, timeout=60,
+                                 env={**env, **store.client_env})  # fmt: skip
+        assert allowed.returncode == 0 and allowed.stdout.split() == ["scram-sha-256"], allowed
+    finally:
+        store.close()
