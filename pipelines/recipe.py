@@ -244,12 +244,15 @@ def train(trial: Trial, setup: Setup, resolved: ResolvedTraining) -> TrainResult
 
 
 def log_compile_blob(logger: TrialLogger, blob: str | None) -> None:
-    """A compiled trial's Mega-Cache blob as the run's artifact `compile_cache/<fingerprint>.bin`: another machine
-    with the same torch and device copies it into `.cache/torch/mega/` and loads its graphs instead of compiling."""
+    """A compiled trial's Mega-Cache blob as the artifact `compile_cache/<fingerprint>.bin` of the experiment's first
+    run that made it (each run's `compile.blob_run` tag names that run): another machine with the same torch and
+    device copies it into `.cache/torch/mega/` and loads its graphs instead of compiling."""
+    from pipelines.tracking.uploads import send_compile_blob_once
+
     client = getattr(logger, "client", None)
     if client is not None and blob is not None and Path(blob).is_file():
         try:
-            client.log_artifact(logger.run_id, blob, "compile_cache")
+            send_compile_blob_once(client, logger.run_id, Path(blob))
         except Exception as err:  # noqa: BLE001 - optional: the blob stays in the local compile cache
             print(f"the compile cache blob was not sent to the artifact store ({type(err).__name__}); "
                   f"it stays at {blob}", flush=True)  # fmt: skip

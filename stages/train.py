@@ -41,6 +41,16 @@ def resume_upload(params: Params) -> None:
                  lambda run_id: register_best_model(client, params, run_id, uri))  # fmt: skip
 
 
+def keep_earlier_unsent(tracking_uri: str, new_dir: Path) -> None:
+    """Move into the new models folder what the runs of the train it replaces still need for their pending
+    uploads (`models/unsent/`), and say so: replacing `models/` whole would delete them."""
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.trials.unsent import carry_unsent
+
+    carry_unsent(MlflowClient(tracking_uri=tracking_uri), OUT_DIR, new_dir, lambda line: print(line, flush=True))
+
+
 def main() -> None:
     args = arguments()
     params = load_params()
@@ -55,6 +65,7 @@ def main() -> None:
     stats = tokenize_metrics(json.loads(TOKENIZE_METRICS.read_text()))
     with atomic_dir(OUT_DIR) as tmp:
         summary = run_tuning(params, resolve_repo_root(), TOKENIZED, tmp, stats)
+        keep_earlier_unsent(summary["tracking_uri"], tmp)
     atomic_write_json(METRICS, best_trial_metrics(summary))
     atomic_write_json(PLOT, json.loads((OUT_DIR / BEST_DIR / "history.json").read_text()))
     print(runs_page_line(summary["tracking_uri"], summary["experiment_id"]), flush=True)

@@ -101,9 +101,22 @@ def upload_folder(client: Any, artifact_location: str, local: Path) -> None:
         list(pool.map(send, [path for path in sorted(local.rglob("*")) if path.is_file()]))
 
 
+def trial_logged_model(client: Any, experiment_id: str, run_id: str) -> Any:
+    """The run's logged model named `MODEL_NAME`, whatever its status (the newest where earlier code left several),
+    or a new one. Every attempt to send a trial's model, a retry or `--resume-upload`, fills this one model: a new
+    model per attempt left a FAILED model in MLflow's Models list for each retry."""
+    found = client.search_logged_models(
+        [experiment_id], filter_string=f"source_run_id = '{run_id}' AND name = '{MODEL_NAME}'"
+    )
+    if found:
+        return max(found, key=lambda model: model.creation_timestamp)
+    return client.create_logged_model(experiment_id, name=MODEL_NAME, source_run_id=run_id)
+
+
 def upload_trial_model(client: Any, experiment_id: str, run_id: str, local: Path, retry_s: float = 0.0) -> str:
     """Log a saved model as the run's logged model (MLflow's Models column) with plain client calls; its URI. The
     files' upload is retried for `retry_s`; a model whose files never arrive is marked FAILED, and the error raised.
+    A later attempt reuses that model (`trial_logged_model`) and marks it READY once its files are there.
 
     Client calls, not `mlflow.start_run(run_id=...)`: the fluent API would end the trial's run on exit,
     and leave it on its run stack when the store fails mid-way.
@@ -112,7 +125,7 @@ def upload_trial_model(client: Any, experiment_id: str, run_id: str, local: Path
 
     from pipelines.tracking.uploads import with_retries
 
-    model = client.create_logged_model(experiment_id, name=MODEL_NAME, source_run_id=run_id)
+    model = trial_logged_model(client, experiment_id, run_id)
     try:
         with_retries(lambda: upload_folder(client, model.artifact_location, local), retry_s)
     except Exception:
