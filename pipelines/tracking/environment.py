@@ -16,8 +16,10 @@ _VERSION = re.compile(r"^\d+\.\d+(?:\.\d+)?$")
 PROC_DRIVER_VERSION = Path("/proc/driver/nvidia/version")
 
 
-def environment_tags() -> dict[str, str]:
-    """Device and library versions, so runs on different machines can be told apart."""
+def environment_tags(cuda_allowed: bool = True) -> dict[str, str]:
+    """Device and library versions, so runs on different machines can be told apart. The device is the one the run
+    trains on: the CUDA card where CUDA is visible and `cuda_allowed` (the run's `device` is not `cpu`), else the CPU
+    (a `device: cpu` trial on a GPU host trained on the CPU, and its `timed_on` must say so)."""
     import torch
     import transformers
 
@@ -28,7 +30,7 @@ def environment_tags() -> dict[str, str]:
         "env.platform": platform.platform(),
         "env.cpu_count": str(os.cpu_count()),
     }
-    if torch.cuda.is_available():
+    if cuda_allowed and torch.cuda.is_available():
         tags.update(cuda_device_tags(0))
     else:
         tags["env.device"] = f"cpu ({torch.backends.cpu.get_cpu_capability()})"

@@ -229,3 +229,11 @@ def test_a_run_on_cuda_is_tagged_with_its_card():
     assert tags["env.cuda"] == str(torch.version.cuda)
     # A real version, from NVML, the kernel module's /proc file or nvidia-smi: never 'unknown' on a CUDA machine.
     assert re.fullmatch(r"\d+\.\d+(\.\d+)?", tags["env.driver"]), tags["env.driver"]
+
+
+def test_a_cpu_trial_on_a_gpu_host_is_tagged_with_the_cpu():
+    from pipelines.tracking.environment import environment_tags
+
+    on_card, on_cpu = environment_tags(), environment_tags(cuda_allowed=False)
+    assert on_card["env.device"] == torch.cuda.get_device_name(0)
+    assert on_cpu["env.device"].startswith("cpu (") and "env.driver" not in on_cpu  # what `timed_on` reads

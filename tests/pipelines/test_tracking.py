@@ -155,3 +155,15 @@ def test_the_driver_version_is_read_from_the_kernel_modules_proc_file(tmp_path: 
     proc.write_text(PROPRIETARY_MODULE, encoding="utf-8")
     monkeypatch.setattr(environment, "PROC_DRIVER_VERSION", proc)
     assert environment.cuda_driver_version() == "580.159.04"
+
+
+def test_a_cpu_trial_is_tagged_with_the_cpu_it_trained_on():
+    import platform
+
+    import torch
+
+    from pipelines.tracking.environment import environment_tags
+
+    tags = environment_tags(cuda_allowed=False)  # a `device: cpu` trial, on this host or a GPU one
+    assert tags["env.device"] == f"cpu ({torch.backends.cpu.get_cpu_capability()})"
+    assert tags["env.python"] == platform.python_version() and "env.compute_capability" not in tags
