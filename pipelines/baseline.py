@@ -18,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from pipelines.trial_context import REPEAT_KEY
+
 BASELINE_ENV = "DVC_EXP_BASELINE_REV"
 CHANGED_WIDTH = 32  # the `changed` column's most characters: the headline figures after it stay on screen
 NO_BASELINE = "no baseline"
@@ -126,20 +128,37 @@ def timing_note(figures: Mapping[str, Any], committed: Mapping[str, Any] | None)
     return ", ".join(marks) or "ok"
 
 
+# The keys of a trial's config that tell its repeats apart, not its configuration: the repeat's seed and index
+# (`pipelines.trials.tuning.param_space`). Every other key (the variant, each sampled hyperparameter) is the config.
+_REPEAT_KEYS = ("seed", REPEAT_KEY)
+
+
+def configuration(trial: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What a trial of the summary trained with, its repeat's seed and index left out; None without a config."""
+    config = trial.get("config")
+    if not isinstance(config, Mapping):
+        return None
+    return {key: value for key, value in config.items() if key not in _REPEAT_KEYS}
+
+
 def repeat_times(summary: Mapping[str, Any], run_id: str) -> list[float]:
-    """The train times of the repeats of the variant whose trial ran as `run_id` (a train stage's trials summary,
-    models/trials.json: `tune.num_samples` seeds per variant without a search space); empty when that run is not
-    this summary's best trial (a registered version evaluated in its place)."""
+    """The train times of the repeats of the trial that ran as `run_id` (a train stage's trials summary,
+    models/trials.json): the trials of the same configuration, differing only by seed or repeat, itself included.
+    With a search space the trials of a variant differ in their sampled hyperparameters, so they are not repeats:
+    only those that drew the same values are. Empty when that run is not this summary's best trial (a registered
+    version evaluated in its place) or the summary has no config to compare."""
     best = summary.get("best") or {}
-    if best.get("mlflow_run_id") != run_id:
+    same = configuration(best)
+    if best.get("mlflow_run_id") != run_id or same is None:
         return []
-    trials = [t for t in summary.get("trials", []) if t.get("variant") == best.get("variant")]
+    trials = [t for t in summary.get("trials", []) if configuration(t) == same]
     return [float(t["metrics"]["train_time_s"]) for t in trials if "train_time_s" in t.get("metrics", {})]
 
 
 def timing_columns(figures: Mapping[str, Any], repeats: Sequence[float], committed: Mapping[str, Any] | None) -> dict:
     """The time's noise for `dvc exp show`: the `timing` note against the baseline's committed metrics (`committed`)
-    and, over two or more repeats, the 95% interval of their mean train time (`train_time_s_ci_low`, `_high`)."""
+    and, over two or more repeats of one configuration (`repeat_times`), the 95% interval of their mean train time
+    (`train_time_s_ci_low`, `_high`)."""
     from pipelines.noise import mean_interval
 
     columns: dict[str, Any] = {"timing": timing_note(figures, committed)}

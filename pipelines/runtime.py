@@ -37,10 +37,84 @@ def resolve_device(params: Params) -> torch.device:
     return torch.device("cuda")
 
 
+# The CPU features that give bf16 instructions of its own (x86: AVX512-BF16, AMX; Arm: BF16), as torch's cpuinfo
+# names them; without one, oneDNN emulates bf16 in fp32 instructions. Not `get_cpu_capability()` (the ISA level
+# torch dispatches to: "AVX512" on an AVX512-BF16 host too) nor `torch.ops.mkldnn._is_mkldnn_bf16_supported()`
+# (true on any AVX512-BW core: "supported" there means emulated).
+NATIVE_BF16_FEATURES = ("amx_bf16", "avx512_bf16", "bf16", "sve_bf16")
+CPU_BF16_BENCHMARK = "benchmarks/bench_cpu_bf16.py"
+
+
+def cpu_bf16_feature() -> str | None:
+    """The CPU feature that runs bf16 natively here (`amx_bf16`, `avx512_bf16`, Arm's `bf16`), as
+    `torch.cpu.get_capabilities()` reports it; None where bf16 is only emulated."""
+    capabilities = torch.cpu.get_capabilities()
+    return next((name for name in NATIVE_BF16_FEATURES if capabilities.get(name) is True), None)
+
+
+@dataclass(frozen=True)
+class CpuBf16Measurement:
+    """bf16 autocast against fp32 on one kind of CPU host (the native bf16 feature it has), measured by
+    `benchmarks/bench_cpu_bf16.py`: each model's median fp32 training time over its bf16 one (above 1: bf16 faster),
+    and the host it ran on."""
+
+    feature: str
+    speedups: dict[str, float]
+    host: str
+
+    @property
+    def faster(self) -> bool:
+        """bf16 ran faster for every model measured."""
+        return bool(self.speedups) and all(speedup > 1 for speedup in self.speedups.values())
+
+    def describe(self) -> str:
+        """`default 1.31x, minilm 1.85x on <host>`: fp32 time over bf16 time per model."""
+        return ", ".join(f"{model} {speedup:.2f}x" for model, speedup in self.speedups.items()) + f" on {self.host}"
+
+
+# What `benchmarks/bench_cpu_bf16.py` measured per kind of host, run on a quiet one (it prints the line to add here).
+# None yet: until a host of a kind measured bf16 faster, `precision: auto` stays fp32 on every CPU.
+CPU_BF16_MEASURED: tuple[CpuBf16Measurement, ...] = ()
+
+
+@dataclass(frozen=True)
+class CpuBf16:
+    """bf16 on this CPU: the native feature detected (None: emulated) and the measurement for its kind of host."""
+
+    feature: str | None
+    measured: CpuBf16Measurement | None = None
+
+    @property
+    def native(self) -> bool:
+        """bf16 has instructions of its own here."""
+        return self.feature is not None
+
+    @property
+    def fast(self) -> bool:
+        """`precision: auto`'s CPU rule: bf16 only where it is native AND was measured faster on such a host."""
+        return self.native and self.measured is not None and self.measured.faster
+
+    def describe(self) -> str:
+        """The detection and the measurement, as the `precision.reason` tag says them."""
+        if not self.native:
+            return (f"no native bf16 on this CPU (torch.cpu.get_capabilities() has none of "
+                    f"{', '.join(NATIVE_BF16_FEATURES)}): bf16 is emulated here")  # fmt: skip
+        supported = f"bf16 supported natively here ({self.feature})"
+        if self.measured is None:
+            return f"{supported} but not measured faster yet ({CPU_BF16_BENCHMARK})"
+        verdict = "and measured faster" if self.measured.faster else "but measured not faster"
+        return f"{supported} {verdict} on such a host ({self.measured.describe()}; {CPU_BF16_BENCHMARK})"
+
+
+def cpu_bf16() -> CpuBf16:
+    """This CPU's bf16: detected, with the measurement recorded for its kind of host (`CPU_BF16_MEASURED`)."""
+    feature = cpu_bf16_feature()
+    return CpuBf16(feature, next((m for m in CPU_BF16_MEASURED if m.feature == feature), None))
+
+
 def cpu_has_fast_bf16() -> bool:
-    """True on CPUs with AVX512-BF16 or AMX, where bf16 matmuls run natively."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    return capability in ("AVX512_BF16", "AMX") or "AMX" in capability
+    """True where bf16 is native on this CPU and measured faster than fp32 on its kind of host (`CpuBf16.fast`)."""
+    return cpu_bf16().fast
 
 
 # A MiniLM-sized training step in emulated bf16 against fp32 (AMD EPYC, AVX2): the warning's figure and the
@@ -48,26 +122,31 @@ def cpu_has_fast_bf16() -> bool:
 EMULATED_BF16_SLOWDOWN = 17
 
 
-def emulated_bf16_warning(precision: ResolvedPrecision, device: torch.device) -> str | None:
-    """A warning for bf16 on a CPU that only emulates it, else None (`precision: auto` never picks it there)."""
-    if precision != "bf16" or device.type != "cpu" or cpu_has_fast_bf16():
+def emulated_bf16_warning(
+    precision: ResolvedPrecision, device: torch.device, bf16: CpuBf16 | None = None
+) -> str | None:
+    """A warning for bf16 on a CPU that only emulates it (`bf16`: this CPU's, detected when None), else None
+    (`precision: auto` never picks it there)."""
+    if precision != "bf16" or device.type != "cpu" or (bf16 or cpu_bf16()).native:
         return None
     return (
-        f"precision: bf16 on a CPU without native bf16 (torch reports {torch.backends.cpu.get_cpu_capability()}: "
-        "no AVX-512 BF16, no AMX) is emulated and many times slower than fp32: a MiniLM-sized training step "
-        f"(6 layers, width 384, 16 x 128 tokens) took {EMULATED_BF16_SLOWDOWN}x as long as in fp32 on such a host "
-        "(AMD EPYC, AVX2); precision: auto picks fp32 here"
+        f"precision: bf16 on a CPU without native bf16 (torch.cpu.get_capabilities() has no "
+        f"{', '.join(NATIVE_BF16_FEATURES)}) is emulated and many times slower than fp32: a MiniLM-sized training "
+        f"step (6 layers, width 384, 16 x 128 tokens) took {EMULATED_BF16_SLOWDOWN}x as long as in fp32 on such a "
+        "host (AMD EPYC, AVX2); precision: auto picks fp32 here"
     )
 
 
 @dataclass(frozen=True)
 class PrecisionCapability:
     """What decides a precision on a device, a local one or a GPU profile alike: is it CUDA, and does it have bf16
-    (on CUDA: supported at all; on a CPU: native, not emulated). `lacks_bf16` says so in a refusal."""
+    (on CUDA: supported at all; on a CPU: native and measured faster, `CpuBf16.fast`). `lacks_bf16` says so in a
+    refusal, `why` how a CPU's bf16 was judged (the `precision.reason` tag)."""
 
     cuda: bool
     bf16: bool
     lacks_bf16: str = ""
+    why: str = ""
 
     def resolve(self, requested: str) -> ResolvedPrecision:
         """The one rule: `auto` is bf16 where the device has it, else fp16 on CUDA and fp32 on a CPU; bf16 on a
@@ -84,11 +163,12 @@ class PrecisionCapability:
         return [self.resolve("auto"), "fp32"] if self.cuda else ["fp32", "bf16"]
 
 
-def local_capability(device: torch.device) -> PrecisionCapability:
-    """This machine's `device`, asked directly."""
+def local_capability(device: torch.device, bf16: CpuBf16 | None = None) -> PrecisionCapability:
+    """This machine's `device`, asked directly (`bf16`: the CPU's, detected when None)."""
     if device.type == "cuda":
         return PrecisionCapability(True, torch.cuda.is_bf16_supported(), "this GPU has no bf16 support (pre-Ampere)")
-    return PrecisionCapability(False, cpu_has_fast_bf16())
+    bf16 = bf16 or cpu_bf16()
+    return PrecisionCapability(False, bf16.fast, why=bf16.describe())
 
 
 def resolve_precision(params: Params, device: torch.device) -> ResolvedPrecision:
@@ -241,6 +321,7 @@ class Runtime:
     loss: LossImpl = field(default=FULL_LOSS)
     widths: WidthSet | None = None  # a compiled step's padded widths (pipelines.train.compiled_step), else the multiple
     compile_key: str | None = None  # a compiled step's fingerprint (pipelines.train.compile_cache)
+    precision_reason: str = ""  # how the precision was chosen where the device's bf16 was judged (a CPU), else ""
 
     @property
     def padding(self) -> Padding:
@@ -264,13 +345,20 @@ class Runtime:
         """The resolved switches as MLflow tags."""
         return {"tf32.resolved": str(self.tf32).lower(), "pad_to_multiple_of.resolved": str(self.pad_multiple),
                 "loss_impl.resolved": self.loss.describe(),
-                **({"pad_widths.resolved": self.widths.describe()} if self.widths is not None else {})}  # fmt: skip
+                **({"pad_widths.resolved": self.widths.describe()} if self.widths is not None else {}),
+                **({"precision.reason": self.precision_reason} if self.precision_reason else {})}  # fmt: skip
 
 
-def resolve_runtime(params: Params, device: torch.device, pad_id: int, precision: str | None = None) -> Runtime:
+def resolve_runtime(
+    params: Params, device: torch.device, pad_id: int, precision: str | None = None, bf16: CpuBf16 | None = None
+) -> Runtime:
     """The runtime for `params` on `device`; `precision` when already resolved (else `params.precision`'s; `auto`
-    either way is the device's pick)."""
+    either way is the device's pick; `bf16`: the CPU's, detected when None)."""
+    capability = local_capability(device, bf16)
+    requested = precision or params.precision
     # "auto" resolved here too: callers that pass `params.precision` as it is set get the device's pick.
-    precision = local_capability(device).resolve(precision or params.precision)
-    return Runtime(device, precision, resolve_tf32(params, precision, device), resolve_pad_multiple(params, device),
-                   pad_id)  # fmt: skip
+    resolved = capability.resolve(requested)
+    said = f"auto picked {resolved}: " if requested == "auto" else f"{resolved} as asked; "
+    reason = said + capability.why if capability.why else ""
+    return Runtime(device, resolved, resolve_tf32(params, resolved, device), resolve_pad_multiple(params, device),
+                   pad_id, precision_reason=reason)  # fmt: skip

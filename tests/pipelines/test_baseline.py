@@ -78,10 +78,12 @@ def test_repeats_give_the_time_an_interval_of_their_mean():
     times = [6.1, 6.7, 6.4]
     low, high = mean_interval(times)
     assert low < sum(times) / 3 < high and high - low == pytest.approx(2 * 4.303 * 0.3 / 3**0.5, rel=1e-3)
-    summary = {
-        "best": {"mlflow_run_id": "r1", "variant": "fast"},
-        "trials": [{"variant": "fast", "mlflow_run_id": f"r{i}", "metrics": {"train_time_s": t}} for i, t in
-                   enumerate(times, start=1)] + [{"variant": "slow", "metrics": {"train_time_s": 60.0}}],
+    summary = {  # tune.num_samples: 3 without a search space: one variant over seeds 42, 43, 44
+        "best": {"mlflow_run_id": "r1", "variant": "fast", "config": {"variant": "fast", "seed": 42, "repeat": 0}},
+        "trials": [{"variant": "fast", "mlflow_run_id": f"r{i}", "metrics": {"train_time_s": t},
+                    "config": {"variant": "fast", "seed": 41 + i, "repeat": i - 1}}
+                   for i, t in enumerate(times, start=1)]
+                  + [{"variant": "slow", "metrics": {"train_time_s": 60.0}, "config": {"variant": "slow", "seed": 42}}],
     }  # fmt: skip
     assert repeat_times(summary, "r1") == times
     assert repeat_times(summary, "a-registered-version's-run") == []  # eval.model_uri: not these trials
@@ -89,6 +91,47 @@ def test_repeats_give_the_time_an_interval_of_their_mean():
     assert timing_columns(here, times, dict(here)) == {
         "timing": "ok", "train_time_s_ci_low": low, "train_time_s_ci_high": high}  # fmt: skip
     assert timing_columns(here, times[:1], dict(here)) == {"timing": "ok"}  # one run: no interval to give
+
+
+def test_with_a_search_space_the_interval_is_over_the_evaluated_configurations_repeats_only(tmp_path: Path):
+    """Five trials of one variant, a search space drawing lr from two values: the three that drew 1e-3 are repeats
+    of the evaluated trial, the two that drew 3e-4 (slower) are another configuration and stay out of its interval.
+    The runs are real MLflow runs, as the evaluate stage reads them; the summary is what the train stage writes."""
+    from mlflow.tracking import MlflowClient
+    from scipy import stats
+
+    from pipelines.tracking.status import training_figures
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment("search")
+    drawn = [(1e-3, 6.1), (3e-4, 9.0), (1e-3, 6.7), (3e-4, 12.0), (1e-3, 6.4)]  # (sampled lr, train time), in order
+    trials = []
+    for i, (lr, seconds) in enumerate(drawn):
+        run_id = client.create_run(experiment, tags={"variant": "default", "host": "box", "env.device": "cpu"},
+                                   run_name=f"default · seed 42 · lr={lr:.3g}").info.run_id  # fmt: skip
+        client.log_param(run_id, "lr", lr)
+        client.log_metric(run_id, "train_time_s", seconds)
+        client.set_terminated(run_id)
+        run = client.get_run(run_id)
+        trials.append({"trial_id": f"t{i}", "variant": run.data.tags["variant"], "mlflow_run_id": run_id,
+                       "config": {"variant": "default", "lr": float(run.data.params["lr"])},
+                       "metrics": dict(run.data.metrics)})  # fmt: skip
+    summary = json.loads(json.dumps({"best": trials[0], "trials": trials}))  # as models/trials.json holds it
+    evaluated = trials[0]["mlflow_run_id"]
+
+    repeats = repeat_times(summary, evaluated)
+    assert sorted(repeats) == [6.1, 6.4, 6.7]
+    same = [client.get_run(t["mlflow_run_id"]).data.metrics["train_time_s"] for t in trials[::2]]
+    mean, sem = sum(same) / 3, stats.tstd(same) / 3**0.5
+    half = stats.t.ppf(0.975, df=2) * sem  # Student's t, 2 degrees of freedom: 4.303
+    columns = timing_columns(training_figures(client, evaluated), repeats, None)
+    assert columns["train_time_s_ci_low"] == pytest.approx(mean - half)
+    assert columns["train_time_s_ci_high"] == pytest.approx(mean + half)
+    assert (columns["train_time_s_ci_low"], columns["train_time_s_ci_high"]) == pytest.approx((5.655, 7.145), abs=1e-3)
+    # A configuration drawn once has no repeats to give it an interval.
+    alone = {**summary, "trials": trials[:2] + trials[3:4]}
+    assert repeat_times(alone, evaluated) == [6.1]
+    assert "train_time_s_ci_low" not in timing_columns(training_figures(client, evaluated), [6.1], None)
 
 
 def git(root: Path, *args: str) -> str:

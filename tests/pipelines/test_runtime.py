@@ -1,7 +1,10 @@
-"""The runtime's choices: an explicit bf16 on a CPU that only emulates it is warned about, with the slowdown; the
-frozen `Runtime` a trial resolves once."""
+"""The runtime's choices: bf16 on a CPU detected from its real features (checked against /proc/cpuinfo), taken by
+`precision: auto` only where it was also measured faster, and the reason tagged; an explicit bf16 on a CPU that only
+emulates it warned about, with the slowdown; the frozen `Runtime` a trial resolves once."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,18 +14,73 @@ from pipelines.runtime import emulated_bf16_warning
 CPU = torch.device("cpu")
 
 
-def test_bf16_on_an_avx2_only_cpu_is_warned_about_naming_the_missing_feature(monkeypatch):
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    warning = emulated_bf16_warning("bf16", CPU)
-    assert warning is not None and "torch reports AVX2: no AVX-512 BF16, no AMX" in warning and "17x" in warning
-    assert emulated_bf16_warning("fp32", CPU) is None
+def cpuinfo_flags() -> set[str]:
+    """The x86 feature flags the kernel lists for this CPU (what `lscpu` shows); skips where there are none."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), None)
+    if flags is None:
+        pytest.skip("no x86 flags in /proc/cpuinfo (not Linux on x86) to check the detection against")
+    return set(flags)
 
 
-def test_no_warning_where_bf16_is_native_or_on_cuda(monkeypatch):
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512_BF16")
-    assert emulated_bf16_warning("bf16", CPU) is None
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    assert emulated_bf16_warning("bf16", torch.device("cuda")) is None
+def native_feature_by_the_kernel() -> str | None:
+    """The native bf16 feature /proc/cpuinfo lists (AMX first, as the detection prefers it), else None."""
+    flags = cpuinfo_flags()
+    return next((name for name in ("amx_bf16", "avx512_bf16") if name in flags), None)
+
+
+def test_native_bf16_is_detected_as_the_kernels_cpu_flags_say():
+    expected = native_feature_by_the_kernel()
+    # An explicit bf16 is warned about as emulated exactly where the kernel lists no bf16 instructions.
+    assert (emulated_bf16_warning("bf16", CPU) is None) == (expected is not None)
+    from pipelines.runtime import cpu_bf16, cpu_bf16_feature
+
+    assert cpu_bf16_feature() == expected
+    assert cpu_bf16().native == (expected is not None)
+
+
+def test_auto_takes_bf16_on_a_cpu_only_where_native_and_measured_faster(default_params):
+    from pipelines.runtime import CpuBf16, CpuBf16Measurement, cpu_bf16, resolve_runtime
+
+    expected = native_feature_by_the_kernel()
+    here = resolve_runtime(default_params, CPU, pad_id=0)  # this host, its real detection: nothing measured yet
+    said = (
+        f"bf16 supported natively here ({expected}) but not measured faster yet (benchmarks/bench_cpu_bf16.py)"
+        if expected
+        else "no native bf16 on this CPU (torch.cpu.get_capabilities() has none of amx_bf16, avx512_bf16, bf16, "
+        "sve_bf16): bf16 is emulated here"
+    )
+    assert (here.precision, here.notes()["precision.reason"]) == ("fp32", f"auto picked fp32: {said}")
+    assert cpu_bf16().fast is False
+
+    faster = CpuBf16Measurement("avx512_bf16", {"default": 1.3, "minilm": 1.8}, "a quiet host")
+    slower = CpuBf16Measurement("avx512_bf16", {"default": 0.9, "minilm": 1.8}, "a quiet host")
+    cases = [  # (detected feature, measurement for its kind of host) -> what auto picks
+        (CpuBf16(None), "fp32"),
+        (CpuBf16(None, faster), "fp32"),  # measured on such a host, but this CPU would emulate it
+        (CpuBf16("avx512_bf16"), "fp32"),  # native, not measured
+        (CpuBf16("avx512_bf16", slower), "fp32"),  # one model measured slower: not taken
+        (CpuBf16("avx512_bf16", faster), "bf16"),
+    ]
+    assert [resolve_runtime(default_params, CPU, 0, bf16=bf16).precision for bf16, _ in cases] == [p for _, p in cases]
+    picked = resolve_runtime(default_params, CPU, 0, bf16=CpuBf16("avx512_bf16", faster)).notes()["precision.reason"]
+    assert picked == (
+        "auto picked bf16: bf16 supported natively here (avx512_bf16) and measured faster on such a host "
+        "(default 1.30x, minilm 1.80x on a quiet host; benchmarks/bench_cpu_bf16.py)"
+    )
+    asked = resolve_runtime(default_params, CPU, 0, precision="bf16", bf16=CpuBf16("avx512_bf16")).notes()
+    assert asked["precision.reason"].startswith("bf16 as asked; bf16 supported natively here (avx512_bf16) but not")
+
+
+def test_bf16_on_a_cpu_without_it_is_warned_about_naming_the_missing_features():
+    from pipelines.runtime import CpuBf16
+
+    warning = emulated_bf16_warning("bf16", CPU, CpuBf16(None))
+    assert warning is not None and "has no amx_bf16, avx512_bf16, bf16, sve_bf16)" in warning and "17x" in warning
+    assert emulated_bf16_warning("fp32", CPU, CpuBf16(None)) is None
+    assert emulated_bf16_warning("bf16", CPU, CpuBf16("avx512_bf16")) is None  # native: not emulated
+    assert emulated_bf16_warning("bf16", torch.device("cuda"), CpuBf16(None)) is None
 
 
 def test_a_torch_without_the_internals_we_use_is_refused_by_name(default_params, monkeypatch):
@@ -38,17 +96,16 @@ def test_a_torch_without_the_internals_we_use_is_refused_by_name(default_params,
         check_runtime(default_params)
 
 
-def test_the_runtime_is_resolved_once_frozen_and_what_the_engine_reports(default_params, monkeypatch):
+def test_the_runtime_is_resolved_once_frozen_and_what_the_engine_reports(default_params):
     import dataclasses
 
-    from pipelines.runtime import resolve_runtime
+    from pipelines.runtime import CpuBf16, cpu_bf16, resolve_runtime
     from pipelines.train.engine import TrainRequest, train_model
     from tests.conftest import tiny_params
     from tests.pipelines.train.helpers import tiny_model, tiny_split
 
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     params = tiny_params(default_params, epochs=1)
-    runtime = resolve_runtime(params, CPU, pad_id=0)
+    runtime = resolve_runtime(params, CPU, pad_id=0, bf16=CpuBf16(None))
     # On a CPU: auto precision is fp32 without native bf16, no TF32, no pad rounding (it only pads there).
     assert (runtime.device, runtime.precision, runtime.tf32, runtime.pad_multiple, runtime.pad_id) == (
         CPU, "fp32", False, None, 0,
@@ -62,6 +119,8 @@ def test_the_runtime_is_resolved_once_frozen_and_what_the_engine_reports(default
             tiny_model(), tiny_split(rows=64), None, params, pad_id=0, device=CPU, precision="fp32", say=lambda _: None
         )
     )
-    assert {k: result.notes[k] for k in runtime.notes()} == runtime.notes() == {
+    expected = resolve_runtime(params, CPU, pad_id=0, precision="fp32").notes()
+    assert {k: result.notes[k] for k in expected} == expected == {
         "tf32.resolved": "false", "pad_to_multiple_of.resolved": "None", "loss_impl.resolved": "full",
+        "precision.reason": f"fp32 as asked; {cpu_bf16().describe()}",
     }  # fmt: skip
