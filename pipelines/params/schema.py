@@ -48,9 +48,9 @@ class Params(StrictModel):
     )
     optim: Optimizer = Field(description=f"Optimizer: {optimizers_described()}.")
     precision: Precision = Field(
-        description="fp32, fp16 (autocast + loss scaling), bf16 (autocast), or auto: bf16 where the device runs it "
-        "natively (CUDA since Ampere, a CPU torch reports as AVX512_BF16 or AMX), fp16 on an older card, fp32 on any "
-        "other CPU."
+        description="fp32, fp16 (autocast + loss scaling), bf16 (autocast), or auto: bf16 on a CUDA card since "
+        "Ampere, fp16 on an older card; on a CPU, bf16 only where it is native (avx512_bf16, amx_bf16) and measured "
+        "faster for that kind of host (benchmarks/bench_cpu_bf16.py), else fp32."
     )
     weights_dtype: WeightsDtype = Field(
         description="How trained weights are stored: fp32 (master copies under mixed precision) or bf16 (pure "
