@@ -5,15 +5,21 @@ process or machine.
 Inductor's own caches (the FX graph cache, AOTAutograd's) key every graph on its code, the versions and the device,
 and know nothing until a graph is traced; so whether a run will compile cold or load warm cannot be asked of them
 before training. The fingerprint here is a coarser key over the same inputs, known before the model runs: torch,
-Triton, CUDA and transformers versions, the device, the compile options, the model's class, config and dtypes, what
-is trained, the batch shapes (its widths and row counts), and the constants baked into a graph (dropout p, the
-loss's projection, precision). The learning rate is not one: it lives in the optimizer, outside the graph.
+Triton, CUDA and transformers versions, the device, the compile options (with the data-parallel strategy and world
+size: a DDP replica's step compiles other graphs), the model's class, config, attention implementation (`to_dict()`
+leaves it out, and eager and SDPA compile different graphs) and dtypes, what is trained, the batch shapes as the
+graphs specialise on them (`graph_shapes`: every width and row count for a static compile; under a dynamic width
+the tensors' names, dtypes and static dims, as one graph serves every width), and the constants baked into a graph
+(dropout p, the loss's projection, precision). The learning rate is not one: it lives in the optimizer, outside the
+graph.
 
 The manifest (`compiled.json`) sits in Inductor's cache folder, so the two are kept or deleted together. A blob
 (`mega/<fingerprint>.bin`, `torch.compiler.save_cache_artifacts`) is written after the first compile of a
-fingerprint and loaded (`load_cache_artifacts`) by a run that finds the blob but not the manifest's entry: a fresh
-cache folder, a Ray worker on another node, another machine with the same torch and device (copy the file into
-`.cache/torch/mega/`, or take it from the trial's MLflow artifacts, `compile_cache/`).
+fingerprint (and again after a compile that missed: the blob there did not hold its graphs) and loaded
+(`load_cache_artifacts`) by a run that finds the blob but not the manifest's entry: a fresh cache folder, a Ray worker
+on another node, another machine with the same torch and device (copy the file into `.cache/torch/mega/`, or take it
+from the `compile_cache/` artifacts of the run the trial's `compile.blob_run` tag names). Both are written only when the compile left its graphs in
+Inductor's caches (`CompileCache.record`), for an entry is the prediction "warm here".
 
 Writers are safe across processes: packed trials on one GPU share a fingerprint (they differ by the learning rate)
 and record it at the same time. Each writes its blob to a name of its own in `mega/` (`<key>.<pid>.<random>.partial`)
@@ -30,7 +36,7 @@ import json
 import os
 import platform
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +55,8 @@ _LOCK_POLL_S = 0.005
 _LOCK_TIMEOUT_S = 60.0
 # Config entries that name where a model came from, not what it computes.
 _NOT_COMPUTED = {"_name_or_path", "transformers_version", "_commit_hash", "name_or_path", "architectures"}
+# A batch's shapes (`pipelines.train.compiled_step.shape_of`): each tensor's name, dims and dtype.
+BatchShapes = tuple[tuple[str, tuple[int, ...], str], ...]
 
 
 def _version(package: str) -> str:
@@ -66,8 +74,21 @@ def device_name(device: torch.device) -> str:
     return f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()}"
 
 
+def attention_implementations(config: Any) -> dict[str, str | None]:
+    """The attention implementation of `config` ('') and of each sub-config a composite model has (its text or
+    vision part chooses its own). `config.to_dict()` leaves `_attn_implementation` out, so without this eager and SDPA
+    shared a fingerprint: predicted warm, compiled cold."""
+    found = {"": getattr(config, "_attn_implementation", None)}
+    for name in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, name, None)
+        if sub is not None:
+            found[name] = getattr(sub, "_attn_implementation", None)
+    return found
+
+
 def _model_parts(model: nn.Module) -> dict[str, Any]:
-    """The model as its graphs bake it in: class, config, parameter dtypes, what is trained, dropout rates."""
+    """The model as its graphs bake it in: class, config, attention implementation, parameter dtypes, what is
+    trained, dropout rates."""
     config = getattr(model, "config", None)
     config_dict = config.to_dict() if hasattr(config, "to_dict") else {}
     listed = "\n".join(f"{name}:{p.dtype}:{p.requires_grad}:{tuple(p.shape)}" for name, p in model.named_parameters())
@@ -76,15 +97,39 @@ def _model_parts(model: nn.Module) -> dict[str, Any]:
     return {
         "class": type(model).__name__,
         "config": {k: v for k, v in sorted(config_dict.items()) if k not in _NOT_COMPUTED},
+        "attention": attention_implementations(config),
         "parameters": trained,
         "dropout": dropout,
     }
 
 
+def marks_width(shape: tuple[int, ...]) -> bool:
+    """Whether a compile with a dynamic width marks this tensor's dim 1 dynamic: 2-D or more and wider than 1 (Dynamo
+    specialises a size of 1 whatever is marked). `compiled_step.with_dynamic_width` marks by this rule and
+    `graph_shapes` keys by it, so the fingerprint generalises exactly the dims the graph does."""
+    return len(shape) >= 2 and shape[1] > 1
+
+
+def graph_shapes(shapes: Iterable[BatchShapes], dynamic_width: bool) -> list[str]:
+    """The batch shapes as the compiled graphs specialise on them, distinct and sorted: each tensor's name, dims and
+    dtype; exact for a static compile (one graph per shape), and under a dynamic width with dim 1 as '*' where it is
+    marked (`marks_width`): one graph serves every width, so a run over other widths finds it warm. The row count
+    (padded to one, `compiled_step.padded_rows`) and the other dims stay: the graph is specialised to them."""
+    keyed = set()
+    for batch in shapes:
+        if dynamic_width:
+            batch = tuple(
+                (name, (dims[0], "*", *dims[2:]) if marks_width(dims) else dims, dtype) for name, dims, dtype in batch
+            )
+        keyed.add(str(batch))
+    return sorted(keyed)
+
+
 def compile_parts(
     model: nn.Module, device: torch.device, options: dict[str, Any], shapes: Iterable[Any]
 ) -> dict[str, Any]:
-    """Everything the fingerprint keys on, readable (`options`: the compile options and the step's constants)."""
+    """Everything the fingerprint keys on, readable (`options`: the compile options and the step's constants;
+    `shapes`: the batch shapes as the graphs specialise on them, `graph_shapes`)."""
     return {
         "torch": torch.__version__,
         "triton": _version("triton") if device.type == "cuda" else "n/a",
@@ -160,11 +205,22 @@ class CompileCache:
         with lock.acquire(poll_interval=_LOCK_POLL_S):
             atomic_write_json(self.manifest_path, {**self.manifest(), key: entry})
 
-    def record(self, key: str, entry: dict[str, Any]) -> Path | None:
-        """After a compile of `key`: its manifest entry, and its blob unless one exists; the blob's path (None when
-        torch had nothing to save)."""
+    def record(self, key: str, entry: dict[str, Any], found: Mapping[str, int]) -> Path | None:
+        """After a compile of `key` that `found` this in Inductor's caches (`cache_counters`, their change over the
+        compile): its manifest entry and its blob, where the compile left its graphs in this folder's caches; the
+        blob's path, or None where nothing was recorded.
+
+        An entry predicts "a compile of `key` here is warm", so it is written only when that holds. Not when no graph
+        went through the caches (no hits and no misses: caches disabled), nor when one bypassed them or failed to be
+        written (`uncached`): the next compile compiles those again. Not when torch has nothing to save. A miss
+        rewrites the blob even where one exists: the blob there did not hold these graphs (a loaded blob that missed,
+        one from another build), and kept, every fresh folder that loads it would compile cold, predicted warm. The
+        blob saved is this process's artifacts so far (torch's Mega-Cache accumulates them), this compile's among
+        them."""
+        if found.get("uncached", 0) > 0 or found["hits"] + found["misses"] == 0:
+            return None
         path = self.blob(key)
-        if not path.is_file():
+        if found["misses"] > 0 or not path.is_file():
             saved = torch.compiler.save_cache_artifacts()
             if saved is None:
                 return None
@@ -174,10 +230,16 @@ class CompileCache:
 
 
 def cache_counters() -> dict[str, int]:
-    """Dynamo's and Inductor's cache counters so far in this process: FX graph and AOTAutograd hits and misses."""
+    """Dynamo's and Inductor's cache counters so far in this process: FX graph and AOTAutograd hits and misses, and
+    `uncached`: Inductor graphs that bypassed the FX graph cache or whose entry could not be pickled or written
+    (compiled, not kept: the next compile generates their code again). An AOTAutograd bypass is not one: its graphs'
+    code still comes from the FX graph cache, the costly part of a compile."""
     from torch._dynamo.utils import counters
 
+    inductor, aot = counters["inductor"], counters["aot_autograd"]
+    uncached = ("fxgraph_cache_bypass", "fxgraph_cache_pickle_error", "fxgraph_cache_write_error")
     return {
-        "hits": int(counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]),
-        "misses": int(counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"]),
+        "hits": int(inductor["fxgraph_cache_hit"] + aot["autograd_cache_hit"]),
+        "misses": int(inductor["fxgraph_cache_miss"] + aot["autograd_cache_miss"]),
+        "uncached": int(sum(inductor[name] for name in uncached)),
     }

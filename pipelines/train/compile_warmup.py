@@ -92,7 +92,7 @@ def compile_and_warm(
     if key is not None:
         entry = {"compile_time_s": round(seconds, 2), "shapes": len(batches), "torch": torch.__version__,
                  "device": device_name(step.runtime.device), "when": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
-        blob = cache.record(key, entry)
+        blob = cache.record(key, entry, {name: after[name] - before[name] for name in after})  # what the compile found
         warmed.notes["compile.fingerprint"] = key
         if blob is not None:
             warmed.notes["compile.blob"] = str(blob)

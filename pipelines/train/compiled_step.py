@@ -48,7 +48,14 @@ from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.params import Params
 from pipelines.runtime import Runtime
-from pipelines.train.compile_cache import CompileCache, compile_parts, fingerprint
+from pipelines.train.compile_cache import (
+    BatchShapes,
+    CompileCache,
+    compile_parts,
+    fingerprint,
+    graph_shapes,
+    marks_width,
+)
 from pipelines.train.step import Batch, LossFn, TrainStep
 from pipelines.train.windows import training_sampler
 
@@ -140,12 +147,12 @@ class RunShapes:
     """The run's distinct batch shapes, collated at most once and only when a decision needs them, and the
     fingerprint they give with the model (`pipelines.train.compile_cache`)."""
 
-    collect: Callable[[], list[tuple[tuple[str, tuple[int, ...]], ...]]]
-    keyed: Callable[[list[tuple[tuple[str, tuple[int, ...]], ...]]], str]
-    _shapes: list[tuple[tuple[str, tuple[int, ...]], ...]] | None = None
+    collect: Callable[[], list[BatchShapes]]
+    keyed: Callable[[list[BatchShapes]], str]
+    _shapes: list[BatchShapes] | None = None
 
     @property
-    def shapes(self) -> list[tuple[tuple[str, tuple[int, ...]], ...]]:
+    def shapes(self) -> list[BatchShapes]:
         if self._shapes is None:
             self._shapes = self.collect()
         return self._shapes
@@ -206,7 +213,10 @@ def compiled_runtime(runtime: Runtime, params: Params, train: TokenizedSplit) ->
 
 
 def compile_options(params: Params, runtime: Runtime) -> dict[str, object]:
-    """The compile options and the step's constants a compiled graph bakes in (the fingerprint's `options`)."""
+    """The compile options and the step's constants a compiled graph bakes in (the fingerprint's `options`), with the
+    data-parallel strategy and world size: a DDP replica's step compiles around its buckets and an FSDP step around
+    its gathers, graphs a lone process's compile never made (one worker is not wrapped: its strategy is moot)."""
+    workers = params.distributed.num_workers
     return {
         "mode": compile_mode(runtime.device),
         "dynamic_width": dynamic_width(runtime),
@@ -217,6 +227,7 @@ def compile_options(params: Params, runtime: Runtime) -> dict[str, object]:
         "weights_dtype": params.weights_dtype,
         "grad_checkpointing": [params.grad_checkpointing, params.grad_checkpointing_every],
         "kernels": params.kernels,
+        "distributed": [params.distributed.strategy if workers > 1 else "single", workers],
     }
 
 
@@ -236,12 +247,13 @@ def resolve_compile(
     planned = [sampler.batches(epoch) for epoch in range(params.epochs)]
     steps = sum(math.ceil(len(batches) / params.grad_accum_steps) for batches in planned)
 
-    def collect() -> list[tuple[tuple[str, tuple[int, ...]], ...]]:
+    def collect() -> list[BatchShapes]:
         collator = make_collator(train, params, widened, task, padded_rows(params))
         return [shape_of(collator(rows)) for rows in batches_by_shape(collator, [r for b in planned for r in b])]
 
-    def keyed(shapes: list[tuple[tuple[str, tuple[int, ...]], ...]]) -> str:
-        return fingerprint(compile_parts(model, runtime.device, compile_options(params, widened), shapes))
+    def keyed(shapes: list[BatchShapes]) -> str:  # as the graphs specialise: under a dynamic width, not each width
+        graphs = graph_shapes(shapes, dynamic_width(widened))
+        return fingerprint(compile_parts(model, runtime.device, compile_options(params, widened), graphs))
 
     choice = decide_compile(params, runtime, steps, RunShapes(collect, keyed), prediction, CompileCache(cache_dir()))
     trained_with = replace(widened, compile_key=choice.key) if choice.enabled else runtime
@@ -257,9 +269,10 @@ def padded_rows(params: Params, halvings: int = 0) -> int | None:
     return -(-params.batch_size // 2**halvings)
 
 
-def shape_of(batch: Batch) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """A batch's shapes: what a compiled graph is specialised to."""
-    return tuple((name, tuple(tensor.shape)) for name, tensor in sorted(batch.items()))
+def shape_of(batch: Batch) -> BatchShapes:
+    """A batch's shapes and dtypes: what a compiled graph is specialised to (under a dynamic width, all but the width:
+    `pipelines.train.compile_cache.graph_shapes`)."""
+    return tuple((name, tuple(tensor.shape), str(tensor.dtype)) for name, tensor in sorted(batch.items()))
 
 
 def batches_by_shape(collator: PadCollator | RowPadded, batches: list[list[int]]) -> list[list[int]]:
@@ -268,7 +281,7 @@ def batches_by_shape(collator: PadCollator | RowPadded, batches: list[list[int]]
     A batch's shapes depend only on its row count and its longest row (and a seq2seq batch's longest source and
     target), so only a batch with a new such key is collated: an epoch of 3,750 batches collates a few dozen."""
     sources = getattr(collator, "source_lengths", None)
-    seen: dict[tuple[tuple[str, tuple[int, ...]], ...], list[int]] = {}
+    seen: dict[BatchShapes, list[int]] = {}
     keys: set[tuple[int, ...]] = set()
     for rows in batches:
         lengths = collator.lengths[rows]
@@ -306,7 +319,8 @@ def dynamic_width(runtime: Runtime) -> bool:
 
 
 def with_dynamic_width(compiled: LossFn) -> LossFn:
-    """`compiled` called with dim 1 (the width) of every 2-D batch tensor marked dynamic: one graph for every width.
+    """`compiled` called with dim 1 (the width) of every 2-D batch tensor marked dynamic (`marks_width`): one graph for
+    every width.
 
     `maybe_mark_dynamic`, not `mark_dynamic`: a model whose code specializes the width (transformers' causal-mask
     helpers branch on it for some models) then compiles one graph per width, as a static compile would, instead of
@@ -319,7 +333,7 @@ def with_dynamic_width(compiled: LossFn) -> LossFn:
 
     def run(batch: Batch) -> torch.Tensor:
         for tensor in batch.values():
-            if tensor.dim() >= 2 and tensor.shape[1] > 1:
+            if marks_width(tuple(tensor.shape)):  # the rule the fingerprint keys by (`graph_shapes`)
                 torch._dynamo.maybe_mark_dynamic(tensor, 1)
         return compiled(batch)
 

@@ -1,10 +1,13 @@
 """The compile cache, as a run meets it: one compile for every padded width, the fingerprint's hit and miss predicted
-right both ways (and the lr not part of it), a Mega-Cache blob loaded into an empty cache, the optimizer's state
-alive when the step is warmed (on CUDA: recorded), and packed trials' processes writing one fingerprint at once."""
+right both ways (and the lr not part of it), warm with dropout on in a fresh process, a Mega-Cache blob loaded into an
+empty cache, no manifest entry where the compile left nothing in the caches and a blob rewritten where it missed, the
+optimizer's state alive when the step is warmed (on CUDA: recorded), and packed trials' processes writing one
+fingerprint at once."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -49,10 +52,32 @@ def compiled_run(default_params: Any, cache: Path, dropout: float = 0.0, lr: flo
         )
 
 
+# Another process's Mega-Cache blob: a real one, of other graphs (a blob of this process would hold every graph it
+# compiled so far, torch's Mega-Cache accumulating them).
+FOREIGN = textwrap.dedent(
+    """
+    import sys, torch
+    step = torch.compile(lambda x: (x * 2).sin())
+    step(torch.randn(8))
+    open(sys.argv[1], "wb").write(torch.compiler.save_cache_artifacts()[0])
+    """
+)
+
+
+def foreign_blob(folder: Path) -> bytes:
+    """The blob of a process that compiled other graphs, in `folder`."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor")}
+    made = subprocess.run([sys.executable, "-c", FOREIGN, str(folder / "foreign.bin")], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert made.returncode == 0, made.stderr[-3000:]
+    return (folder / "foreign.bin").read_bytes()
+
+
 @pytest.fixture(scope="module")
 def runs(default_params, tmp_path_factory) -> dict[str, Any]:
     """Cold in an empty cache (its warm-up watched), the same again (warm), the lr changed (warm), dropout changed
-    (cold), and the first run's blob alone in a fresh folder."""
+    (cold), the first run's blob alone in a fresh folder, a run with Inductor's caches off, and the first run again
+    in a folder whose blob of its fingerprint holds other graphs (another process's)."""
     cache = tmp_path_factory.mktemp("inductor")
     watched: list[dict[str, int]] = []
     real_warm = compile_warmup.warm
@@ -76,6 +101,16 @@ def runs(default_params, tmp_path_factory) -> dict[str, Any]:
     shutil.copyfile(CompileCache(cache).blob(key), fresh / BLOBS / f"{key}.bin")
     out["fresh_holds"] = CompileCache(fresh).holds(key)
     out["blob"] = compiled_run(default_params, fresh)
+    # Caches off (TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 does the same): the graphs compile and are kept nowhere. The
+    # process has saved artifacts before, so torch still hands back a blob (of the earlier runs' graphs).
+    with torch._inductor.config.patch(force_disable_caches=True):
+        out["uncached"] = compiled_run(default_params, cache, dropout=0.2)
+    stale = tmp_path_factory.mktemp("stale")
+    (stale / BLOBS).mkdir()
+    planted = foreign_blob(tmp_path_factory.mktemp("foreign"))
+    (stale / BLOBS / f"{key}.bin").write_bytes(planted)
+    out["stale_holds"], out["stale"] = CompileCache(stale).holds(key), compiled_run(default_params, stale)
+    out["stale_cache"], out["stale_planted"] = stale, planted
     return out
 
 
@@ -109,6 +144,66 @@ def test_the_fingerprints_hit_and_miss_are_predicted_right_both_ways(runs):
     assert other.notes["compile.fingerprint"] != cold.notes["compile.fingerprint"]
     assert other.notes["compile.resolved"].endswith(", cold)")
     assert other.metrics["compile_cache_misses"] > 0
+
+
+def test_warm_with_dropout_on_as_trials_run_in_a_fresh_process(runs, default_params):
+    # Trials keep dropout on, with fast_dropout's default (true; a compiled step draws Inductor's own masks). The
+    # dropout run compiled cold into the cache; a fresh interpreter compiling it again must predict warm and find
+    # every graph there: Dynamo's and Inductor's in-memory caches start empty, as a trial's do.
+    assert default_params.fast_dropout is True
+    other = runs["other_dropout"]
+    rerun = subprocess.run(
+        [sys.executable, "-c", DROPOUT_RERUN, str(runs["cache"])],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    warm = json.loads(rerun.stdout.splitlines()[-1])
+    assert warm["notes"]["compile.fingerprint"] == other.notes["compile.fingerprint"]
+    assert warm["notes"]["compile.resolved"].endswith(", warm (from the cache))")
+    assert warm["notes"]["fast_dropout"] == "off"
+    assert warm["metrics"]["compile_cache_hits"] > 0 and warm["metrics"]["compile_cache_misses"] == 0, warm["metrics"]
+
+
+# The dropout run of `runs`, compiled again in a fresh interpreter against the same cache folder.
+DROPOUT_RERUN = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    from pipelines.params import load_params
+    from tests.conftest import REPO_ROOT
+    from tests.pipelines.train.test_compile_cache import compiled_run
+
+    run = compiled_run(load_params(REPO_ROOT / "params.yaml"), Path(sys.argv[1]), dropout=0.1)
+    print(json.dumps({"metrics": run.metrics, "notes": run.notes}))
+    """
+)
+
+
+def test_no_manifest_entry_or_blob_where_the_compile_left_nothing_in_the_caches(runs):
+    uncached = runs["uncached"]
+    key = uncached.notes["compile.fingerprint"]
+    # Nothing went through Inductor's caches: the next compile of this fingerprint compiles cold again.
+    assert uncached.metrics["compile_cache_hits"] == 0 and uncached.metrics["compile_cache_misses"] == 0
+    assert "compile.blob" not in uncached.notes
+    assert key not in CompileCache(runs["cache"]).manifest()
+    assert CompileCache(runs["cache"]).holds(key) is None
+
+
+def test_a_compile_that_missed_rewrites_the_blob_that_did_not_hold_its_graphs(runs):
+    # The folder's blob of the run's fingerprint holds other graphs (a blob from another build, or a key that once
+    # lied): predicted warm from it, Inductor missed and compiled cold.
+    stale, cache = runs["stale"], CompileCache(runs["stale_cache"])
+    key = stale.notes["compile.fingerprint"]
+    assert runs["stale_holds"] == "blob" and stale.metrics["compile_blob_loaded"] == 1
+    assert stale.metrics["compile_cache_misses"] > 0
+    # The cold compile filled this folder's caches (warm here now), and the blob is this compile's, not the one that
+    # missed: kept, every fresh folder loading it would be predicted warm and compile cold.
+    assert cache.holds(key) == "cache"
+    assert stale.notes["compile.blob"] == str(cache.blob(key))
+    assert cache.blob(key).read_bytes() != runs["stale_planted"]
 
 
 def test_a_blob_alone_fills_an_empty_cache(runs):
