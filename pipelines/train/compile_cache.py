@@ -18,8 +18,8 @@ The manifest (`compiled.json`) sits in Inductor's cache folder, so the two are k
 fingerprint (and again after a compile that missed: the blob there did not hold its graphs) and loaded
 (`load_cache_artifacts`) by a run that finds the blob but not the manifest's entry: a fresh cache folder, a Ray worker
 on another node, another machine with the same torch and device (copy the file into `.cache/torch/mega/`, or take it
-from the `compile_cache/` artifacts of the run the trial's `compile.blob_run` tag names). Both are written only when the compile left its graphs in
-Inductor's caches (`CompileCache.record`), for an entry is the prediction "warm here".
+from the `compile_cache/` artifacts of the run the trial's `compile.blob_run` tag names). Both are written only when
+the compile left its graphs in Inductor's caches (`CompileCache.record`), for an entry is the prediction "warm here".
 
 Writers are safe across processes: packed trials on one GPU share a fingerprint (they differ by the learning rate)
 and record it at the same time. Each writes its blob to a name of its own in `mega/` (`<key>.<pid>.<random>.partial`)
