@@ -125,13 +125,17 @@ def check_columns(table: pd.DataFrame, wanted: list[str], where: str) -> None:
         raise DataError(f"{where}: the split is empty")
 
 
-def make_splits(tables: dict[str, pd.DataFrame], data: DataParams, seed: int) -> dict[str, pd.DataFrame]:
-    """Use the source's own splits; carve missing ones out of train, stratified and seeded."""
+def make_splits(
+    tables: dict[str, pd.DataFrame], data: DataParams, seed: int, names: dict[str, str]
+) -> dict[str, pd.DataFrame]:
+    """Use the source's own splits; carve missing ones out of train, stratified and seeded. `names`: how a refusal
+    names each source table."""
+    # Each split keeps its source table's row positions as its index until the end, so a refusal names those rows.
     train = tables["train"].reset_index(drop=True)
-    out = {}
+    out, origins = {}, {}
     for split, fraction in (("test", data.test_fraction), ("validation", data.val_fraction)):
         if split in tables:
-            out[split] = tables[split].reset_index(drop=True)
+            out[split], origins[split] = tables[split].reset_index(drop=True), names[split]
             continue
         share = fraction / (1.0 - (data.test_fraction if split == "validation" and "test" not in tables else 0.0))
         # Stratified by label where there is one (classification) and every label has two rows to split.
@@ -140,19 +144,20 @@ def make_splits(tables: dict[str, pd.DataFrame], data: DataParams, seed: int) ->
         from sklearn.model_selection import train_test_split  # deferred: sklearn takes seconds; only splitting needs it
 
         train, held = train_test_split(train, test_size=share, random_state=seed, stratify=stratify)
-        out[split] = held.sort_index().reset_index(drop=True)
+        out[split], origins[split] = held.sort_index(), f"drawn from {names['train']}"
         train = train.sort_index()
-    out["train"] = train.reset_index(drop=True)
+    out["train"] = train
     for split in SPLITS:
         if out[split].empty:
             raise DataError(f"split {split!r} is empty; lower data.val_fraction/test_fraction or add rows")
     if "label" in out["train"]:
-        check_labels(out)
-    return {s: out[s] for s in SPLITS}
+        check_labels(out, origins)
+    return {s: out[s].reset_index(drop=True) for s in SPLITS}
 
 
-def check_labels(splits: dict[str, pd.DataFrame]) -> None:
-    """Refuse a train split with fewer than two classes (nothing to learn); warn of classes train never shows."""
+def check_labels(splits: dict[str, pd.DataFrame], origins: dict[str, str]) -> None:
+    """Refuse a train split with fewer than two classes (nothing to learn), and a validation or test label the train
+    split lacks, naming its rows (each split's index: row positions in the source table `origins` names)."""
     counts = splits["train"]["label"].value_counts()
     if len(counts) < 2:
         per_class = ", ".join(f"{k!r}: {v} rows" for k, v in counts.items())
@@ -160,11 +165,46 @@ def check_labels(splits: dict[str, pd.DataFrame]) -> None:
             f"the train split has {len(counts)} class(es) ({per_class}); a classifier needs at least two: "
             "check data.label_column, or the source's labels"
         )
-    unseen = sorted((set(splits["validation"]["label"]) | set(splits["test"]["label"])) - set(counts.index))
+    # Refused, not warned of: such a label gets no class id (the classifier has no output for it), so validation's
+    # loss and the test split's scoring would fail on its rows (cross-entropy's target out of range) once training
+    # has run.
+    unseen = []
+    for split in ("validation", "test"):
+        labels = splits[split]["label"]
+        for label in sorted(set(labels) - set(counts.index)):
+            rows = rows_named(list(splits[split].index[(labels == label).to_numpy()]))
+            unseen.append(f"the {split} split has {label!r}, which the train split lacks ({origins[split]}: {rows})")
     if unseen:
+        raise DataError(
+            f"{'; '.join(unseen)}; a classifier cannot learn or predict a class it never trains on: correct those "
+            "labels, or add rows of them to the train split"
+        )
+
+
+# A class this rare is most likely a mistyped label (`sprots` among thousands of `sports`): under 10 rows the test
+# split gets about 2 of them (its recall is 0, 50% or 100% by chance) and training too few to learn the class. The
+# share keeps small data sets quiet, where every class has few rows because the data set has.
+RARE_CLASS_ROWS = 10
+RARE_CLASS_SHARE = 0.01
+
+
+def warn_rare_labels(tables: dict[str, pd.DataFrame], names: dict[str, str]) -> None:
+    """Warn of each label with under `RARE_CLASS_ROWS` rows and under `RARE_CLASS_SHARE` of all the source's rows,
+    naming its count and its rows in each source table (`names`)."""
+    counts = pd.concat([table["label"] for table in tables.values()]).value_counts()
+    total = int(counts.sum())
+    for label, count in counts.items():
+        if count >= RARE_CLASS_ROWS or count >= RARE_CLASS_SHARE * total:
+            continue
+        where = " and in ".join(
+            f"{names[split]}: {rows_named(list((table['label'] == label).to_numpy().nonzero()[0]))}"
+            for split, table in tables.items()
+            if (table["label"] == label).any()
+        )
         warn_user(
-            f"label(s) {unseen} occur in validation/test but never in train: the model cannot predict them, "
-            "and every such row counts as wrong"
+            f"label {label!r} has only {count} of {total} rows ({count / total:.2%}), in {where}; a class with under "
+            f"{RARE_CLASS_ROWS} rows and under {RARE_CLASS_SHARE:.0%} of all rows is trained and scored as a class of "
+            "its own that the model can barely learn: if it is a typo of another label, correct those rows"
         )
 
 
@@ -173,4 +213,6 @@ def load_splits(data: DataParams, seed: int, root: Path, task: Task) -> dict[str
     raw = read_source(data, root, task)
     names = {s: f"data.source {data.source!r}, split {s!r}" for s in raw}
     tables = {s: task.normalize_table(t, data, names[s]) for s, t in raw.items()}
-    return make_splits(tables, data, seed)
+    if all("label" in table for table in tables.values()):
+        warn_rare_labels(tables, names)
+    return make_splits(tables, data, seed, names)

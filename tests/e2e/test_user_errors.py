@@ -12,10 +12,18 @@ from tests.conftest import run, write_params
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-# (what, stage, params overrides, file to write, expected text) — the same rows as docs/reference/errors.md's table.
+# (what, stage, params overrides, file or list of files to write, expected text) — the same rows as
+# docs/reference/errors.md's table.
 CASES = [
     ("unknown key", "tokenize", {"optimizer": "adamw"}, None, "optimizer: unknown key"),
     ("wrong type", "tokenize", {"epochs": "three"}, None, "epochs = 'three': Input should be a valid integer"),
+    (
+        "a number YAML reads as text",
+        "tokenize",
+        {"lr": "1e-4"},
+        None,
+        "lr = '1e-4': params.yaml is read as YAML 1.1, where 1e-4 is a string, not a number",
+    ),
     ("out-of-range value", "train", {"batch_size": -4}, None, "batch_size = -4: must be an integer greater than 0"),
     (
         "not an allowed value",
@@ -59,6 +67,16 @@ CASES = [
         {"data.source": "one.csv"},
         ("one.csv", b"text,label\n" + b"hello world,a\nbye now,a\n" * 20),
         "the train split has 1 class(es) ('a': ",
+    ),
+    (
+        "a class the train split lacks",
+        "tokenize",
+        {"data.source": "zebra"},
+        [
+            ("zebra/train.csv", b"text,label\n" + b"hello world,a\nbye now,b\n" * 20),
+            ("zebra/test.csv", b"text,label\n" + b"hello world,a\nstripes,zebra\n" * 10),
+        ],
+        "the test split has 'zebra', which the train split lacks (data.source 'zebra', split 'test': 10 rows: 2, 4,",
     ),
     (
         "unknown file type",
@@ -138,9 +156,9 @@ def test_user_error(tokenized_copy: Path, own_ray_cluster: None, what, stage, ov
     original = (root / "params.yaml").read_text()
     before = digests(root)
     try:
-        if file:
-            (root / file[0]).parent.mkdir(parents=True, exist_ok=True)
-            (root / file[0]).write_bytes(file[1])
+        for name, content in [file] if isinstance(file, tuple) else file or []:  # a file, or a folder's files
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_bytes(content)
         write_params(root, overrides)
         proc = run([sys.executable, "-m", f"stages.{stage}"], root, check=False, timeout=120)
     finally:

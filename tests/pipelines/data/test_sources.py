@@ -101,13 +101,11 @@ def test_empty_split(tmp_path, default_params):
     expect_error(tmp_path, default_params, r"split 'test'.*the split is empty", **{"data.source": str(tmp_path)})
 
 
-def test_label_only_in_test_is_a_warning_naming_it(tmp_path, default_params, capsys):
+def test_label_only_in_test_is_refused_naming_it(tmp_path, default_params):
     write_csv(tmp_path / "train.csv", labels=("a", "b"))
     write_csv(tmp_path / "test.csv", labels=("a", "zebra"))
-    params = tiny_params(default_params, **{"data.source": str(tmp_path)})
-    splits = load_splits(params.data, params.seed, tmp_path, CLASSIFICATION)
-    assert "zebra" in set(splits["test"]["label"])
-    assert "warning: label(s) ['zebra'] occur in validation/test but never in train" in capsys.readouterr().err
+    expect_error(tmp_path, default_params, r"the test split has 'zebra', which the train split lacks",
+                 **{"data.source": str(tmp_path)})  # fmt: skip
 
 
 def test_a_single_class_in_train_is_refused_with_its_counts(tmp_path, default_params):
