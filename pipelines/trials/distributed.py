@@ -57,6 +57,8 @@ def run_distributed_trial(
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from pipelines.trials.ray_cluster import seal_credentials
+
     use_gpu = resolve_use_gpu(params)
     trainer = TorchTrainer(
         train_worker,
@@ -68,6 +70,9 @@ def run_distributed_trial(
             "run_id": run_id,
             "use_gpu": use_gpu,
             "checkpoint_dir": str(checkpoint_dir),
+            # Ray Train shows this config on its dashboard: the credentials only as an object-store reference, put
+            # from this trial's environment, where the driver's were set (pipelines.trials.ray_cluster).
+            "credentials": seal_credentials(),
         },
         scaling_config=ScalingConfig(
             num_workers=params.distributed.num_workers,
@@ -93,8 +98,9 @@ def train_worker(config: dict[str, Any]) -> None:
     from pipelines.tracking.mlflow_model import model_logger
     from pipelines.tracking.runs import RunLogger, leave_retries_to_run_logger
     from pipelines.tracking.status import open_client
-    from pipelines.trials.ray_cluster import progress_bar
+    from pipelines.trials.ray_cluster import progress_bar, use_tracking_credentials
 
+    use_tracking_credentials(config["credentials"])  # before rank 0's first MLflow call
     leave_retries_to_run_logger()
     context: TrialContext = config["context"]
     params = Params.model_validate(config["params"])

@@ -1,10 +1,12 @@
-"""Start or join the Ray cluster the trials run on (ours, or the one at an address); Tune's console output."""
+"""Start or join the Ray cluster the trials run on (ours, or the one at an address); how the trials get the driver's
+tracking credentials; Tune's console output."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from pipelines.params import Params
@@ -16,17 +18,54 @@ WORKER_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 
 # How the driver's user reaches a team's MLflow server (docs/how-to/team-server.md): trials on a cluster that
-# was started without them (another terminal's `ray start`) need them too. Passed as Ray's runtime environment,
-# never written into a param, tag or file of the pipeline's.
+# was started without them (another terminal's `ray start`) need them too. Never in Ray's runtime environment:
+# Ray's runtime-env agent logs it whole (runtime_env_agent.log), and the job table and dashboard show it. They travel
+# through Ray's object store instead (`seal_credentials`), which no log, job table or dashboard records (only a full
+# store spills objects to disk, under the node's temp dir).
 TRACKING_CREDENTIALS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
                         "MLFLOW_TRACKING_SERVER_CERT_PATH", "MLFLOW_TRACKING_CLIENT_CERT_PATH")  # fmt: skip
 
 
 def worker_env() -> dict[str, str]:
-    """The trials' environment: WORKER_ENV, MLflow's telemetry off unless the driver's user set it
-    (`pipelines.tracking` says why), and the driver's credentials for the tracking server, if any."""
-    credentials = {key: os.environ[key] for key in TRACKING_CREDENTIALS if os.environ.get(key)}
-    return {**WORKER_ENV, "MLFLOW_DISABLE_TELEMETRY": os.environ.get("MLFLOW_DISABLE_TELEMETRY", "true"), **credentials}
+    """The trials' environment: WORKER_ENV and MLflow's telemetry off unless the driver's user set it
+    (`pipelines.tracking` says why). No credentials: those reach the trials by `seal_credentials`."""
+    return {**WORKER_ENV, "MLFLOW_DISABLE_TELEMETRY": os.environ.get("MLFLOW_DISABLE_TELEMETRY", "true")}
+
+
+@dataclass(frozen=True)
+class SealedCredentials:
+    """This process's tracking credentials, as a reference into Ray's object store: what a trial is handed.
+
+    Only the reference travels in what Ray records (a trainable's parameters, a Ray Train worker's config, which
+    Ray Train shows on its dashboard as text): the values stay in the object store until `use_tracking_credentials`
+    fetches them in the trial's own process. Ray resolves a bare ObjectRef passed to `tune.with_parameters` before
+    the trial sees it; held in this object, it stays a reference, which a distributed trial hands to its workers.
+    """
+
+    ref: Any  # ray.ObjectRef to {variable: value}
+
+
+def seal_credentials() -> SealedCredentials | None:
+    """Put this process's tracking credentials (TRACKING_CREDENTIALS that are set) in Ray's object store; None when
+    there are none. Ray must be initialized; this process owns the object, so it must outlive the trials."""
+    import ray
+
+    values = {key: os.environ[key] for key in TRACKING_CREDENTIALS if os.environ.get(key)}
+    return SealedCredentials(ray.put(values)) if values else None
+
+
+def use_tracking_credentials(sealed: SealedCredentials | None) -> None:
+    """Set the driver's tracking credentials in this process's environment, before its first MLflow call.
+
+    A trial (reuse_actors=False) and a Ray Train worker each have a process of their own, so they go no further. The
+    driver's values win over the same variables set where the cluster was started, as Ray's runtime environment
+    did; nothing else in the environment changes, and nothing is removed.
+    """
+    if sealed is None:
+        return
+    import ray
+
+    os.environ.update(ray.get(sealed.ref))
 
 
 def init_ray(num_cpus: int, address: str | None, num_gpus: int | None = None) -> None:
@@ -129,6 +168,16 @@ def progress_bar(wanted: bool) -> Any:
     from ray.experimental.tqdm_ray import tqdm
 
     return tqdm if wanted else None
+
+
+def tune_verbosity(params: Params) -> int:
+    """Ray Tune's console output: its trial-status table only for a sweep of several trials.
+
+    A single trial has its own progress (a bar on a terminal, a line per epoch); Tune's table,
+    reprinted every 30 s ("Trial status: 1 RUNNING"), would only bury it.
+    """
+    sweep = len(params.tune.variants) > 1 or params.tune.num_samples > 1 or bool(params.tune.search_space)
+    return 1 if sweep else 0
 
 
 @contextlib.contextmanager

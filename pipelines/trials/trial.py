@@ -44,7 +44,7 @@ from pipelines.train.checkpoint import claim_checkpoint_dir
 from pipelines.train.memory import reset_peak_rss
 from pipelines.trial_context import FINAL_KEY, REPEAT_KEY, VARIANT_ORDER_TAG, TrialContext
 from pipelines.trials.card_share import CardShare, enforced_share
-from pipelines.trials.ray_cluster import progress_bar
+from pipelines.trials.ray_cluster import SealedCredentials, progress_bar, use_tracking_credentials
 
 __all__ = ["run_trial", "trial_overrides"]
 
@@ -75,9 +75,12 @@ def shown_figures(metrics: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def run_trial(config: dict[str, Any], context: TrialContext, shares: dict[str, CardShare] | None = None) -> None:
+def run_trial(config: dict[str, Any], context: TrialContext, shares: dict[str, CardShare] | None = None,
+              credentials: SealedCredentials | None = None) -> None:  # fmt: skip
     """Ray Tune function trainable: train one configuration and report its metrics (`shares`: each variant's share
-    of a card under `gpu: auto`, which a packed trial enforces)."""
+    of a card under `gpu: auto`, which a packed trial enforces; `credentials`: the driver's for the tracking server,
+    from Ray's object store)."""
+    use_tracking_credentials(credentials)  # before the first MLflow call
     leave_retries_to_run_logger()
     quiet_mlflow_info()
     trial_start = time.perf_counter()
@@ -168,7 +171,7 @@ def trial_params(
     log_params(client, run_id, params)
     logger.log_tags(
         {
-            **environment_tags(),
+            **environment_tags(cuda_allowed=params.device != "cpu"),
             **card_tags(context, variant),
             "overrides": json.dumps(overrides, sort_keys=True),
             "peak_rss": "reset at trial start" if rss_reset else "process lifetime (no /proc/self/clear_refs)",

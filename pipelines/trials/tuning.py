@@ -33,7 +33,14 @@ from pipelines.tracking.runs import (
 from pipelines.tracking.status import RUNS_VIEW_TAG, ended_run, log_best_on_parent, runs_view, stopped_tags
 from pipelines.trial_context import FINAL_KEY, REPEAT_KEY, TrialContext
 from pipelines.trials.card_share import CardShare, gpu_shares, refuse_gpus_ray_lacks, shared_resources
-from pipelines.trials.ray_cluster import init_ray, local_ray_gpus, tune_console
+from pipelines.trials.ray_cluster import (
+    SealedCredentials,
+    init_ray,
+    local_ray_gpus,
+    seal_credentials,
+    tune_console,
+    tune_verbosity,
+)
 from pipelines.trials.unsent import BEST_DIR, keep_unsent_folders, save_summary
 
 # Keys in a trial's result that are bookkeeping (ours or Ray's), not measurements.
@@ -53,7 +60,8 @@ _NON_METRIC_KEYS = {
 }
 
 
-def run_trial(config: dict[str, Any], context: TrialContext, shares: dict[str, CardShare] | None = None) -> None:
+def run_trial(config: dict[str, Any], context: TrialContext, shares: dict[str, CardShare] | None = None,
+              credentials: SealedCredentials | None = None) -> None:  # fmt: skip
     """Ray Tune's function trainable: `pipelines.trials.trial.run_trial`, imported in the trial's own process.
 
     Tune pickles this function by reference, so the driver never imports the engine and transformers' model code
@@ -61,17 +69,7 @@ def run_trial(config: dict[str, Any], context: TrialContext, shares: dict[str, C
     """
     from pipelines.trials.trial import run_trial as train_one_configuration
 
-    train_one_configuration(config, context, shares)
-
-
-def tune_verbosity(params: Params) -> int:
-    """Ray Tune's console output: its trial-status table only for a sweep of several trials.
-
-    A single trial has its own progress (a bar on a terminal, a line per epoch); Tune's table,
-    reprinted every 30 s ("Trial status: 1 RUNNING"), would only bury it.
-    """
-    sweep = len(params.tune.variants) > 1 or params.tune.num_samples > 1 or bool(params.tune.search_space)
-    return 1 if sweep else 0
+    train_one_configuration(config, context, shares, credentials)
 
 
 def _dimension(dim: SearchDim) -> Any:
@@ -250,13 +248,14 @@ def build_tuner(
     shares: dict[str, CardShare] | None = None,
 ) -> Any:  # fmt: skip
     """The Tuner of every trial: seeded sampling, its scheduler, a fresh process per trial, Tune's result files; each
-    trial gets its variant's card share (`gpu: auto`), which it enforces."""
+    trial gets its variant's card share (`gpu: auto`), which it enforces, and the tracking credentials by reference."""
     from ray import tune
     from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
     from ray.tune.search import BasicVariantGenerator
 
+    trainable = tune.with_parameters(run_trial, context=context, shares=shares, credentials=seal_credentials())
     tuner = tune.Tuner(
-        tune.with_resources(tune.with_parameters(run_trial, context=context, shares=shares), resources),
+        tune.with_resources(trainable, resources),
         param_space=param_space(params),
         tune_config=tune.TuneConfig(
             metric=objective[0],

@@ -1,8 +1,16 @@
-"""Security rules of the package: no code execution or unpickling of user input, safe loading and saving."""
+"""Security rules of the package: no code execution or unpickling of user input, safe loading and saving, no
+credential in Ray's files."""
 
 from __future__ import annotations
 
+import os
 import re
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 from tests.conftest import REPO_ROOT
 
@@ -31,3 +39,45 @@ def test_remote_code_is_off_by_default_and_docs_bind_servers_to_loopback(default
         # Loopback, or (the cluster section) a private address the reader fills in; never all interfaces.
         assert "--host 127.0.0.1" in command or "--host <private-ip>" in command, command
         assert "--host 0.0.0.0" not in command, command
+
+
+# A driver whose cluster started without the credentials: they reach a task (its own process) by the object store.
+CHANNEL = """
+import os, sys, ray
+from pipelines.trials.ray_cluster import init_ray, seal_credentials, use_tracking_credentials
+
+init_ray(1, None)
+os.environ["MLFLOW_TRACKING_PASSWORD"] = sys.stdin.readline().strip()  # after the cluster's processes started
+
+
+@ray.remote
+def seen(sealed):
+    before = os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    use_tracking_credentials(sealed)
+    return before, os.environ.get("MLFLOW_TRACKING_PASSWORD"), os.environ.get("TQDM_DISABLE")
+
+
+print(ray.get(seen.remote(seal_credentials())))
+ray.shutdown()
+"""
+
+
+def test_credentials_reach_a_ray_worker_by_the_object_store_and_no_ray_file_holds_them(monkeypatch):
+    from pipelines.trials.ray_cluster import TRACKING_CREDENTIALS, worker_env
+
+    for key in TRACKING_CREDENTIALS:
+        monkeypatch.setenv(key, "x")
+    assert set(worker_env()) & set(TRACKING_CREDENTIALS) == set()  # never in Ray's runtime environment
+    password = secrets.token_urlsafe(18)
+    temp = Path(tempfile.mkdtemp(prefix="rs-"))  # short: Ray's Unix sockets live under it
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", *TRACKING_CREDENTIALS)}
+    try:
+        done = subprocess.run([sys.executable, "-c", CHANNEL], input=f"{password}\n", capture_output=True, text=True,
+                              env={**env, "RAY_TMPDIR": str(temp), "PYTHONPATH": str(REPO_ROOT)}, cwd=temp,
+                              timeout=180, check=True)  # fmt: skip
+        assert done.stdout.strip().splitlines()[-1] == str((None, password, "1")), done.stdout + done.stderr
+        logs = [p for p in temp.rglob("*") if p.is_file() and not p.is_symlink()]
+        assert any(b"TQDM_DISABLE" in p.read_bytes() for p in logs)  # the runtime env Ray logs was searched
+        assert [p for p in logs if password.encode() in p.read_bytes()] == []
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
