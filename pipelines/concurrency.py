@@ -83,12 +83,6 @@ class ConcurrentTrials:
         while not self._stop.wait(self.every_s):
             self._sample()
 
-    def now(self) -> int:
-        """How many trials of the project train at this moment, this one included (and kept if the most yet)."""
-        count = max(1, training_now(self.project, self.folder))
-        self.most = max(self.most, count)
-        return count
-
     def stop(self) -> dict[str, float]:
         """The metric `concurrent_trials`: the most trials of this project training at once, this one included."""
         self._stop.set()

@@ -41,10 +41,10 @@ from dataclasses import dataclass
 import torch
 
 from pipelines.errors import UserError
-from pipelines.gpu_profiles import gpu_profile
+from pipelines.gpu_profiles import MIB, gpu_profile
 from pipelines.optimizer_registry import OPTIMIZERS
 from pipelines.params import Params, apply_overrides
-from pipelines.resolve.memory_plan import MB, MemoryPlan
+from pipelines.resolve.memory_plan import MemoryPlan
 from pipelines.resolve.step_time import arithmetic_floor_s, predict_step
 from pipelines.resolve.target import PlanTarget, as_target
 from pipelines.runtime import EMULATED_BF16_SLOWDOWN, cpu_has_fast_bf16
@@ -63,7 +63,7 @@ class Choice:
 
 def size(n: float) -> str:
     """Bytes in MiB (2^20; KiB below one MiB), as the report and the plan table write them."""
-    return f"{n / MB:,.1f} MiB" if n >= MB else f"{n / 1024:,.1f} KiB"
+    return f"{n / MIB:,.1f} MiB" if n >= MIB else f"{n / 1024:,.1f} KiB"
 
 
 def describe(plan: MemoryPlan) -> str:

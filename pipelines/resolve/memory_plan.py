@@ -363,6 +363,3 @@ def plan_memory(
     if params.distributed.strategy == "fsdp" and params.distributed.num_workers > 1:
         return plan.sharded(params.distributed.num_workers, fsdp_gathered_bytes(model))
     return plan
-
-
-MB = 1024 * 1024

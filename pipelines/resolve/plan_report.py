@@ -15,9 +15,10 @@ from pathlib import Path
 
 from pipelines.data.tokenization import TOKENIZER_DIR, TokenizedSplit
 from pipelines.errors import UserError
+from pipelines.gpu_profiles import MIB
 from pipelines.params import Params, apply_overrides
 from pipelines.resolve.budget import budget_bytes, changed_settings, choose_strategy
-from pipelines.resolve.memory_plan import MB, MemoryPlan, PlanUnavailable
+from pipelines.resolve.memory_plan import MemoryPlan, PlanUnavailable
 from pipelines.resolve.preflight import trial_planner
 from pipelines.resolve.step_time import StepTime, predict_step
 from pipelines.resolve.target import PlanTarget
@@ -203,7 +204,7 @@ def _speed(step: StepTime | None) -> str:
 
 
 def _size(value: int | None) -> str:
-    return "—" if value is None else f"{value / MB:,.1f} MiB"
+    return "—" if value is None else f"{value / MIB:,.1f} MiB"
 
 
 def target_table(name: str, plans: dict[str, TargetPlan]) -> str:

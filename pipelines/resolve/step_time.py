@@ -53,7 +53,8 @@ import torch
 from pipelines.resolve.memory_plan import MemoryPlan
 from pipelines.resolve.target import PlanTarget, as_target
 from pipelines.runtime import EMULATED_BF16_SLOWDOWN, cpu_has_fast_bf16
-from pipelines.train.compiled_step import CACHE_DIR, CompilePrediction
+from pipelines.train.compile_decision import CompilePrediction
+from pipelines.train.compiled_step import CACHE_DIR
 
 
 @dataclass(frozen=True)

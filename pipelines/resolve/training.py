@@ -24,7 +24,7 @@ from pipelines.resolve.preflight import Preflight, plan_or_none
 from pipelines.resolve.step_time import predict_compile
 from pipelines.runtime import Runtime
 from pipelines.tasks.base import Task
-from pipelines.train.compiled_step import resolve_compile
+from pipelines.train.compile_decision import resolve_compile
 from pipelines.train.memory_levers import resolve_loss
 
 

@@ -22,7 +22,7 @@ from pipelines.data.batching import HOST_COUNTS
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.params import Params
 from pipelines.runtime import Runtime, resolve_runtime
-from pipelines.train.compiled_step import resolve_compile
+from pipelines.train.compile_decision import resolve_compile
 from pipelines.train.fast_dropout import FastDropoutUse, fast_dropout
 from pipelines.train.memory_levers import resolve_loss
 from pipelines.train.parallel import uses_fsdp

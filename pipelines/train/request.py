@@ -17,7 +17,7 @@ from pipelines.runtime import ResolvedPrecision
 
 if TYPE_CHECKING:
     from pipelines.tasks.base import Task
-    from pipelines.train.compiled_step import CompilePrediction
+    from pipelines.train.compile_decision import CompilePrediction
 
 LogFn = Callable[[int, dict[str, float]], None]
 EpochFn = Callable[[int, int, dict[str, float]], None]  # (epoch, optimizer step, validation metrics)
@@ -47,3 +47,11 @@ class TrainRequest:
     checkpoint_dir: Path | None = None
     say: Callable[[str], None] = print
     compile_prediction: CompilePrediction | None = None
+
+
+def refuse_unresolved(params: Params) -> None:
+    """The `auto`s a trial resolves before training (`pipelines.resolve`): the engine cannot train with them."""
+    if params.lr == "auto":
+        raise ValueError("lr: auto is resolved before training (pipelines.resolve.lr_range.resolve_lr)")
+    if params.compile == "auto":
+        raise ValueError("compile: auto is resolved before training (pipelines.train.compile_decision.decide_compile)")

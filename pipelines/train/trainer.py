@@ -2,36 +2,34 @@
 
 `Trainer.run` reads like nanoGPT's loop: for each epoch, for each accumulation window, fetch its batches, then one
 call of the trial's `TrainStep` (`pipelines.train.step`; the out-of-memory retry around it), then `after_step`
-(counters, schedule, clocks, log point, checkpoint); at
-the epoch's end, `end_epoch` (validation, per-epoch schedule, checkpoint, callback). The clocks and the CUDA
-peaks are paused around everything that is not training.
+(counters, schedule, clocks, log point, checkpoint); at the epoch's end, `end_epoch` (validation, per-epoch schedule,
+checkpoint, callback). The clocks and the CUDA peaks are paused around everything that is not training.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from pipelines.data.loader import in_process, make_collator, make_loader, to_device
+from pipelines.data.loader import in_process, make_loader, to_device
 from pipelines.errors import UserError
 from pipelines.runtime import Runtime
 from pipelines.train.checkpoint import LoopState, find_resumable, restore, save_checkpoint
 from pipelines.train.compile_warmup import CompileEvents, compile_and_warm, row_units, state_before_recording
-from pipelines.train.compiled_step import batches_by_shape, bounded_graphs, graphs_built, padded_rows
+from pipelines.train.compiled_step import bounded_graphs, graphs_built, padded_rows, run_shapes
 from pipelines.train.measurement import TrainingMeter, probe_memory, rng_preserved
 from pipelines.train.memory import MemoryAtPeak, gradient_bytes, track_step
-from pipelines.train.memory_levers import apply_memory_levers
+from pipelines.train.memory_levers import OffloadContext, apply_memory_levers
 from pipelines.train.optim import build_optimizer, build_scheduler, create_fresh_state
 from pipelines.train.out_of_memory import OUT_OF_MEMORY, recover_from_out_of_memory
 from pipelines.train.parallel import gather_full_weights, replicate, shard, uses_fsdp
-from pipelines.train.request import EpochFn, LogFn, TrainRequest  # noqa: F401 - LogFn, EpochFn: re-exported
+from pipelines.train.request import TrainRequest, refuse_unresolved
 from pipelines.train.results import all_reduce, final_metrics, reduce_final_metrics, world
 from pipelines.train.step import StepOutcome, TrainStep, make_scaler
 from pipelines.train.validation import evaluate_split
@@ -39,15 +37,11 @@ from pipelines.train.windows import (
     WindowCounts,
     fetch_window,
     global_window_rows,
+    optimizer_steps,
     plan_windows,
     training_sampler,
     window_units,
 )
-
-if TYPE_CHECKING:
-    pass
-
-# (optimizer step, logged point: loss, lr, ... plus total_steps and rows_timed for progress displays)
 
 
 class NonFiniteLoss(UserError):
@@ -86,50 +80,66 @@ class Trainer:
     """One run of the loop over `params.epochs`, on the model it is given (trained in place)."""
 
     def __init__(self, request: TrainRequest, runtime: Runtime) -> None:
-        model, train, params, task = request.model, request.train, request.params, request.task
-        assert task is not None, "the Trainer needs the request's task (train_model resolves it)"
-        checkpoint_dir, say = request.checkpoint_dir, request.say
-        self.train, self.validation, self.params, self.runtime = train, request.validation, params, runtime
-        self.device, self.task, self.say = runtime.device, task, say
-        self.on_log, self.on_epoch_end, self.checkpoint_dir = request.on_log, request.on_epoch_end, checkpoint_dir
-        device, precision = runtime.device, runtime.precision
+        refuse_unresolved(request.params)
+        self.keep(request, runtime)
+        offload = self.ready_model(request.model)
+        self.place_model(request.model)
+        self.plan_run()
+        self.build_step(offload)
+        self.plan_compiled()
+
+    def keep(self, request: TrainRequest, runtime: Runtime) -> None:
+        """What the loop reads of the request and the runtime: the splits, params, task, callbacks and checkpoints."""
+        assert request.task is not None, "the Trainer needs the request's task (train_model resolves it)"
+        self.train, self.validation, self.params = request.train, request.validation, request.params
+        self.task, self.runtime, self.device, self.say = request.task, runtime, runtime.device, request.say
+        self.on_log, self.on_epoch_end = request.on_log, request.on_epoch_end
+        self.checkpoint_dir = request.checkpoint_dir
+
+    def ready_model(self, model: nn.Module) -> OffloadContext:
+        """`model` in training mode with its memory levers (frozen weights in the compute dtype, checkpointing,
+        kernels) and the runtime's settings applied; the activation offload's context, which the step opens."""
         model.train()
-        # Frozen weights in the compute dtype, checkpointing and kernels; the offload's context.
-        offload = apply_memory_levers(model, params, device, precision=precision)
-        runtime.apply()
+        offload = apply_memory_levers(model, self.params, self.device, precision=self.runtime.precision)
+        self.runtime.apply()
+        return offload
+
+    def place_model(self, model: nn.Module) -> None:
+        """This rank of the world, and the model it trains: the caller's, in place, or under FSDP this rank's shards,
+        the caller's kept (`whole`) to be given the gathered weights at the end."""
         self.rank, self.world_size = world()
-        self.fsdp = uses_fsdp(params, self.world_size)
-        self.whole = model  # the caller's model: trained in place, or under FSDP given the gathered weights at the end
-        self.model = model
+        self.fsdp = uses_fsdp(self.params, self.world_size)
+        self.whole = self.model = model
         if self.fsdp:
-            self.model = shard(model, precision, device, self.world_size)  # from here on, this rank's shards
-            if checkpoint_dir is not None:
-                say("FSDP: no checkpoints are written (sharded state is not saved for resume yet); the run starts over")
+            self.model = shard(model, self.runtime.precision, self.device, self.world_size)
+            if self.checkpoint_dir is not None:
+                self.say("FSDP: no checkpoints are written (sharded state is not saved for resume yet); the run "
+                         "starts over")  # fmt: skip
                 self.checkpoint_dir = None
-        self.sampler = training_sampler(train, params, self.world_size, self.rank)
-        self.total_steps = sum(
-            math.ceil(len(self.sampler.batches(e)) / params.grad_accum_steps) for e in range(params.epochs)
-        )
-        if params.lr == "auto":
-            raise ValueError("lr: auto is resolved before training (pipelines.resolve.lr_range.resolve_lr)")
-        self.optimizer = build_optimizer(params.optim, self.model, params.lr, params.weight_decay, device)
+
+    def plan_run(self) -> None:
+        """This rank's batches (its sampler), the optimizer steps they make, and each row's loss units."""
+        self.sampler = training_sampler(self.train, self.params, self.world_size, self.rank)
+        self.total_steps = optimizer_steps(self.sampler, self.params)
+        self.units = self.task.loss_units(self.train, self.params)  # per row: what a window's mean loss divides by
+
+    def build_step(self, offload: OffloadContext) -> None:
+        """The optimizer, its schedule over the run's steps, and the step, built once: the loop, the warm-up probe
+        and the memory probe all run this object."""
+        params, runtime = self.params, self.runtime
+        self.optimizer = build_optimizer(params.optim, self.model, params.lr, params.weight_decay, self.device)
         warmup_steps = int(params.warmup_ratio * self.total_steps)
         self.scheduler = build_scheduler(params.lr_schedule, self.optimizer, params.lr, self.total_steps, warmup_steps)
-        # The step, built once: the loop, the warm-up probe and the memory probe all run this object.
-        scaler = make_scaler(runtime)
-        self.train_step = TrainStep(self.model, self.optimizer, task, runtime, scaler, params.max_grad_norm, offload)
         self.per_epoch_schedule = params.lr_schedule == "reduce_on_plateau"
-        self.units = task.loss_units(train, params)  # per row: what a window's mean loss divides by
-        self.compiled = params.compile is True
-        if params.compile == "auto":
-            raise ValueError("compile: auto is resolved before training (pipelines.train.compiled_step.decide_compile)")
-        # A compiled run's batch shapes, one batch of each: every epoch's batches are planned before training, and
-        # padded to one row count (`padded_rows`: a partial last batch would compile a graph of its own).
-        self.shape_batches: list[list[int]] = []
-        if self.compiled:
-            planned = [rows for e in range(params.epochs) for rows in self.sampler.batches(e)]
-            collator = make_collator(train, params, runtime, task, padded_rows(params))
-            self.shape_batches = batches_by_shape(collator, planned)
+        self.train_step = TrainStep(self.model, self.optimizer, self.task, runtime, make_scaler(runtime),
+                                    params.max_grad_norm, offload)  # fmt: skip
+
+    def plan_compiled(self) -> None:
+        """A compiled run's batch shapes, one batch of each (`run_shapes`: every epoch's batches, padded to one row
+        count), which it warms and bounds its graphs by; its graph counts and notes, empty until it compiles."""
+        self.compiled = self.params.compile is True
+        shapes = run_shapes(self.train, self.params, self.runtime, self.task, self.sampler) if self.compiled else {}
+        self.shape_batches: list[list[int]] = list(shapes.values())
         self.graphs = {"compile_graphs": 0.0, "compile_graphs_in_loop": 0.0}
         self.timed_from = CompileEvents(0, 0)  # a compiled run's compile counters as its timed steps start
         self.compile_notes: dict[str, str] = {}

@@ -8,6 +8,7 @@ window's batches from the loader onto the device and counts what they hold on th
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,6 +34,18 @@ def training_sampler(
         max_tokens=params.data.max_tokens_per_batch,
         replica=Replica(rank, num_replicas),
     )
+
+
+def planned_batches(sampler: LengthGroupedBatchSampler, epochs: int) -> list[list[int]]:
+    """Every batch of a run over `epochs`, epoch after epoch, as `sampler` plans them before training (its plan is
+    deterministic in the seed and the epoch)."""
+    return [rows for epoch in range(epochs) for rows in sampler.batches(epoch)]
+
+
+def optimizer_steps(sampler: LengthGroupedBatchSampler, params: Params) -> int:
+    """The optimizer steps of a run over `params.epochs`: each epoch's batches of `sampler` in windows of
+    `grad_accum_steps` (an epoch's last window may be partial, and still steps)."""
+    return sum(math.ceil(len(sampler.batches(epoch)) / params.grad_accum_steps) for epoch in range(params.epochs))
 
 
 def plan_windows(batches: list[list[int]], accum: int, halvings: int = 0) -> list[list[list[int]]]:

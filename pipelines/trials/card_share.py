@@ -29,13 +29,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipelines.errors import UserError
-from pipelines.gpu_profiles import CONTEXT_RESERVE_BYTES
+from pipelines.gpu_profiles import CONTEXT_RESERVE_BYTES, MIB
 from pipelines.params import Params
 
 if TYPE_CHECKING:
     from pipelines.resolve.target import PlanTarget
-
-MB = 2**20
 
 
 @dataclass(frozen=True)
@@ -54,12 +52,17 @@ def card_share(variant: str, peak: int, reserve: int, card: str, card_bytes: int
     need = peak + reserve
     if need > card_bytes:
         raise UserError(
-            f"variant {variant!r} does not fit one {card}: its plan's peak {peak / MB:,.1f} MiB + the process's "
-            f"reserve {reserve / MB:,.1f} MiB = {need / MB:,.1f} MiB, over the card's {card_bytes / MB:,.1f} MiB; "
+            f"variant {variant!r} does not fit one {card}: its plan's peak {peak / MIB:,.1f} MiB + the process's "
+            f"reserve {reserve / MIB:,.1f} MiB = {need / MIB:,.1f} MiB, over the card's {card_bytes / MIB:,.1f} MiB; "
             "run `python -m stages.plan` for what would fit (memory_budget with strategy: auto finds it)"
         )
     sharing = max(1, min(cap, card_bytes // need))
-    return CardShare(gpu=1.0 if sharing == 1 else 1.0 / sharing, sharing=sharing, need_bytes=need, peak_bytes=peak)
+    return CardShare(gpu=gpu_fraction(sharing), sharing=sharing, need_bytes=need, peak_bytes=peak)
+
+
+def gpu_fraction(sharing: int) -> float:
+    """Ray's GPU share of one of `sharing` trials to a card: a whole GPU alone (exactly 1.0), else 1/sharing."""
+    return 1.0 if sharing == 1 else 1.0 / sharing
 
 
 def card_shares(planned: dict[str, tuple[int, int]], card: str, card_bytes: int, cap: int) -> dict[str, CardShare]:
@@ -131,11 +134,11 @@ class MemoryCap:
         """Why a packed trial ran out of memory, with its plan's numbers, and what to do."""
         return (
             f"variant {variant!r} ran out of memory in its share of the card: {share.sharing} trials to a card "
-            f"(tune.resources_per_trial.gpu: auto), its share {self.share_bytes / MB:,.1f} MiB, its allocator capped "
-            f"at {self.cap_bytes / MB:,.1f} MiB (the rest is its CUDA context's); its plan's peak was "
-            f"{share.peak_bytes / MB:,.1f} MiB, {share.need_bytes / MB:,.1f} MiB with the process's reserve. It needed "
-            "more than planned: lower tune.max_concurrent_trials (fewer trials to a card, each a larger share) or "
-            "set tune.resources_per_trial.gpu: 1 (a card to itself)"
+            f"(tune.resources_per_trial.gpu: auto), its share {self.share_bytes / MIB:,.1f} MiB, its allocator capped "
+            f"at {self.cap_bytes / MIB:,.1f} MiB (the rest is its CUDA context's); its plan's peak was "
+            f"{share.peak_bytes / MIB:,.1f} MiB, {share.need_bytes / MIB:,.1f} MiB with the process's reserve. "
+            "It needed more than planned: lower tune.max_concurrent_trials (fewer trials to a card, each a larger "
+            "share) or set tune.resources_per_trial.gpu: 1 (a card to itself)"
         )
 
 

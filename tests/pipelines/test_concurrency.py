@@ -5,19 +5,30 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from pipelines.concurrency import ConcurrentTrials, concurrency_note, stopping, training_now
 
 
+def sampled(trials: ConcurrentTrials, most: int, within_s: float = 10.0) -> int:
+    """The most `trials` saw at once, once its own sampling thread has seen `most` (or `within_s` has passed)."""
+    deadline = time.monotonic() + within_s
+    while trials.most < most and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return trials.most
+
+
 def test_two_trials_of_a_project_count_each_other_and_not_another_project(tmp_path: Path):
+    # Counted as the trial's epoch lines count (`training_now`) and as its metric samples (its thread, every every_s).
     first = ConcurrentTrials("/repo/a", every_s=0.05, folder=tmp_path).start()
-    assert first.now() == 1
+    assert training_now("/repo/a", tmp_path) == 1 and first.most == 1
     other_project = ConcurrentTrials("/repo/b", every_s=0.05, folder=tmp_path).start()
     second = ConcurrentTrials("/repo/a", every_s=0.05, folder=tmp_path).start()
-    assert first.now() == 2 and training_now("/repo/b", tmp_path) == 1
+    assert training_now("/repo/a", tmp_path) == 2 and training_now("/repo/b", tmp_path) == 1
+    assert sampled(first, 2) == 2
     assert second.stop() == {"concurrent_trials": 2.0}
-    assert first.now() == 1
+    assert training_now("/repo/a", tmp_path) == 1
     other_project.stop()
     assert first.stop() == {"concurrent_trials": 2.0}  # the most at once, kept after the other left
     assert not list(tmp_path.glob("*.json"))

@@ -28,6 +28,7 @@ LIGHT_MODULES = [
     "pipelines.resolve.memory_plan",
     "pipelines.resolve.step_time",
     "pipelines.train.compiled_step",
+    "pipelines.train.compile_decision",
     "benchmarks.bench_gpu",
     "benchmarks.bench_gpu_parts",
 ]

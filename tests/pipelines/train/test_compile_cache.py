@@ -20,7 +20,7 @@ import torch
 
 import pipelines.train.compile_warmup as compile_warmup
 from pipelines.train.compile_cache import BLOBS, CompileCache
-from pipelines.train.compiled_step import CompilePrediction
+from pipelines.train.compile_decision import CompilePrediction
 from pipelines.train.engine import TrainRequest, TrainResult, train_model
 from tests.conftest import REPO_ROOT, tiny_params
 from tests.pipelines.train.helpers import tiny_model, tiny_split

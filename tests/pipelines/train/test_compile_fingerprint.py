@@ -13,7 +13,8 @@ from pipelines.data.tokenization import TokenizedSplit
 from pipelines.runtime import resolve_runtime
 from pipelines.tasks import get_task
 from pipelines.train.compile_cache import compile_parts, fingerprint
-from pipelines.train.compiled_step import compile_options, resolve_compile
+from pipelines.train.compile_decision import resolve_compile
+from pipelines.train.compiled_step import compile_options
 from tests.conftest import tiny_params
 from tests.pipelines.train.helpers import tiny_model, tiny_split
 

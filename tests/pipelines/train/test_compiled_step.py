@@ -12,7 +12,7 @@ from pipelines.data.batching import WidthSet, width_set
 from pipelines.errors import UserError
 from pipelines.params import ParamsError
 from pipelines.runtime import resolve_runtime
-from pipelines.train.compiled_step import CompilePrediction, decide_compile
+from pipelines.train.compile_decision import CompilePrediction, decide_compile
 from pipelines.train.trainer import StuckLoss
 from tests.conftest import tiny_params
 from tests.pipelines.train.helpers import tiny_model, tiny_split
@@ -74,7 +74,7 @@ def test_compile_auto_on_the_default_pipeline_resolves_off_with_the_plans_arithm
     from pipelines.resolve.step_time import predict_compile
     from pipelines.resolve.target import target_named
     from pipelines.tasks import get_task
-    from pipelines.train.compiled_step import resolve_compile
+    from pipelines.train.compile_decision import resolve_compile
 
     params = tiny_params(default_params, task="classification", compile="auto", batch_size=16, epochs=1)
     task, train = get_task("classification"), tiny_split(rows=160, seed=3)

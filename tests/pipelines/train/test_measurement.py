@@ -248,7 +248,7 @@ def test_the_cuda_peak_keeps_the_warmup_step_and_leaves_out_what_follows_a_pause
     trainer.params = default_params.model_copy(update={"log_every_n_steps": 100, "checkpoint_every_n_steps": None})
     trainer.counters, trainer.logged_loss = torch.zeros(4, dtype=torch.long), torch.zeros(())
     trainer.previous_loss, trainer.previous_rows, trainer.last_log = torch.tensor(float("nan")), -2, float("inf")
-    trainer.world_size = 1
+    trainer.world_size, trainer.compiled = 1, False
     trainer.per_epoch_schedule, trainer.total_steps = True, 100
     allocator["peak"] = 900  # the warm-up step: the longest batch, and the optimizer state created
     from pipelines.train.step import StepOutcome
