@@ -186,7 +186,7 @@ def run_figures(run: Any) -> dict[str, Any]:
     """The figures of a trial's run the check reports."""
     tags, metrics = run.data.tags, run.data.metrics
     keep = ("train_time_s", "samples_per_s", "peak_train_memory_bytes", "peak_reserved_bytes", "compile_time_s",
-            "recompiles_timed", "cudagraph_skips_timed", "system/gpu_0_utilization_percentage")  # fmt: skip
+            "timed_recompiles", "timed_cudagraph_skips", "system/gpu_0_utilization_percentage")  # fmt: skip
     named = ("mlflow.runName", "variant", "env.device", "env.driver", "card.sharing", "card.memory_fraction",
              "compile.resolved")  # fmt: skip
     return {**{k: tags.get(k) for k in named}, **{k: metrics[k] for k in keep if k in metrics}}

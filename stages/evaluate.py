@@ -1,6 +1,7 @@
 """DVC stage `evaluate`: score the best model on the test split; metrics, plots, per-row predictions.
 Its metrics file opens on what the experiment changed in params.yaml (read whole) from the commit it ran from, and
 marks the train time where that commit's was taken on another host or under other load (`pipelines.baseline`).
+It writes nothing unless the model was trained with params.yaml's values (`pipelines.workspace`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path  # noqa: E402
 from pipelines.atomic import atomic_write_json, atomic_write_text
 from pipelines.errors import run_cli
 from pipelines.params import load_params, resolve_repo_root
+from pipelines.workspace import check_trained, claim_workspace
 
 TOKENIZED = Path("data/tokenized")
 BEST_MODEL = Path("models/best")
@@ -38,9 +40,12 @@ def main() -> None:
 
     # The store first: it closes runs whose process died (kill -9) even if evaluation fails below.
     client, _ = open_store(params.tracking, resolve_repo_root())
+    claim_workspace("evaluate")
+    check_trained(BEST_MODEL.parent, "evaluate")  # before scoring: refused in seconds, not after it
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, run_id = model_to_evaluate(params, resolve_repo_root(), BEST_MODEL, TRIALS, Path(tmp))
         result = evaluate_saved_model(model_dir, TOKENIZED)
+    check_trained(BEST_MODEL.parent, "evaluate", quiet=True)  # again: params.yaml may have changed while scoring
     atomic_write_text(PREDICTIONS, result.predictions.to_csv(index=False))
     # DVC declares both plots for every task; each task fills them its own way (generation: see answer_plots).
     atomic_write_json(CONFUSION, result.plots.get("confusion", []))

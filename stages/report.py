@@ -1,4 +1,7 @@
-"""DVC stage `report`: the comparison of this train run's trials, from MLflow, as markdown and PNGs."""
+"""DVC stage `report`: the comparison of this train run's trials, from MLflow, as markdown and PNGs.
+
+It writes nothing unless the model was trained with params.yaml's values (`pipelines.workspace`).
+"""
 
 from __future__ import annotations
 
@@ -8,8 +11,10 @@ from pathlib import Path
 from pipelines.atomic import atomic_dir
 from pipelines.errors import run_cli
 from pipelines.params import load_params, resolve_repo_root
+from pipelines.workspace import check_trained, claim_workspace
 
-TRIALS = Path("models/trials.json")
+MODELS = Path("models")
+TRIALS = MODELS / "trials.json"
 TRAIN_METRICS = Path("metrics/train.json")
 CONFUSION = Path("plots/confusion.json")  # the evaluate stage's (actual, predicted) pairs
 OUT_DIR = Path("reports")
@@ -29,6 +34,8 @@ def last_commit_best_run() -> tuple[str, str] | None:
 
 def main() -> None:
     params = load_params()
+    claim_workspace("report")
+    check_trained(MODELS, "report")
     from pipelines.report import build_report
     from pipelines.tracking.runs import open_store
     from pipelines.tracking.uploads import Upload, send_or_defer
@@ -39,6 +46,7 @@ def main() -> None:
         confusion = json.loads(CONFUSION.read_text()) if CONFUSION.is_file() else None
         build_report(client, summary["experiment_id"], summary["parent_run_id"], tmp, last_commit_best_run(),
                      confusion)  # fmt: skip
+        check_trained(MODELS, "report", quiet=True)  # again, before reports/ is replaced
     parent, retry_s = summary["parent_run_id"], params.tracking.upload_retry_s
     send = lambda: client.log_artifacts(parent, str(OUT_DIR), artifact_path="report")  # noqa: E731
     send_or_defer(client, parent, Upload("report", str(OUT_DIR), send), retry_s, print)

@@ -10,6 +10,7 @@ from pipelines.atomic import atomic_dir, atomic_write_json
 from pipelines.errors import run_cli
 from pipelines.params import Params, load_params, resolve_repo_root
 from pipelines.stage_help import stage_parser
+from pipelines.workspace import claim_workspace, params_now, record_trained, refuse_changed_while_training
 
 TOKENIZED = Path("data/tokenized")
 TOKENIZE_METRICS = Path("metrics/tokenize.json")
@@ -57,6 +58,8 @@ def main() -> None:
     if args.resume_upload:
         resume_upload(params)
         return
+    claim_workspace("train")  # refused while another pipeline runs in this workspace
+    trained = params_now()  # the train keys' values as just loaded: the evaluate and report stages check them
     from pipelines.runtime import check_runtime
     from pipelines.tracking.status import runs_page_line
     from pipelines.trials.tuning import BEST_DIR, best_trial_metrics, run_tuning, tokenize_metrics
@@ -66,6 +69,10 @@ def main() -> None:
     with atomic_dir(OUT_DIR) as tmp:
         summary = run_tuning(params, resolve_repo_root(), TOKENIZED, tmp, stats)
         keep_earlier_unsent(summary["tracking_uri"], tmp)
+        record_trained(tmp, trained)
+    # After models/ is in place (it says what it was trained with, and keeps its pending uploads), before the
+    # metrics: if params.yaml changed meanwhile, DVC would record them beside the new values.
+    refuse_changed_while_training(trained, "train")
     atomic_write_json(METRICS, best_trial_metrics(summary))
     atomic_write_json(PLOT, json.loads((OUT_DIR / BEST_DIR / "history.json").read_text()))
     print(runs_page_line(summary["tracking_uri"], summary["experiment_id"]), flush=True)

@@ -3,7 +3,7 @@ compile cache consulted first (a blob loaded where this cache has not compiled t
 after (manifest entry and blob), and what the compile found logged: Dynamo and Inductor cache hits and misses, and
 CUDA-graph skips. Where the run accumulates gradients, the accumulation path is warmed too (`warm_accumulation`).
 What compiles after the warm-up is counted by `CompileEvents` (torch's own counters): the trainer reports the
-recompiles and CUDA-graph skips of its timed steps (`recompiles_timed`, `cudagraph_skips_timed`).
+recompiles and CUDA-graph skips of its timed steps (`timed_recompiles`, `timed_cudagraph_skips`).
 
 The optimizer's fresh state exists before the step is warmed, so on CUDA the graphs are recorded with it alive: a
 CUDA graph's replay never calls the allocator, so the recording is the only moment the allocator sees the step's

@@ -82,8 +82,8 @@ _MAXED = (
     "peak_rss_bytes",
     "peak_train_memory_bytes",
     "peak_reserved_bytes",
-    "recompiles_timed",
-    "cudagraph_skips_timed",
+    "timed_recompiles",
+    "timed_cudagraph_skips",
 )
 
 

@@ -166,7 +166,7 @@ class Trainer:
         """Recompiles and CUDA-graph skips after the warm-up, in the timed steps: metrics, and a warning when any,
         for the step times hold their cost (a recompile takes seconds where a step takes milliseconds)."""
         timed = CompileEvents.now().since(self.timed_from) if self.compiled else CompileEvents(0, 0)
-        self.graphs.update(recompiles_timed=float(timed.graphs), cudagraph_skips_timed=float(timed.cudagraph_skips))
+        self.graphs.update(timed_recompiles=float(timed.graphs), timed_cudagraph_skips=float(timed.cudagraph_skips))
         if timed.graphs or timed.cudagraph_skips:
             self.say(
                 f"warning: compile: {timed.graphs} recompiles and {timed.cudagraph_skips} CUDA-graph skips in the "

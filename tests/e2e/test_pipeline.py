@@ -52,8 +52,8 @@ def experiments(shown: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # Every MLflow metric says its unit in its name: a suffix, a count's noun, or a share (a fraction in 0..1 in
 # MLflow, the console and DVC; the report prints shares as percentages with a % sign).
 UNIT_SUFFIXES = ("_s", "_ms", "_bytes", "_per_s", "_fraction", "_pct", "_flops", "_per_step", "_mib")
-COUNT_NOUNS = ("steps", "rows", "graphs", "graphs_in_loop", "halvings", "labels", "cores", "trials", "length_max",
-               "length_p50", "length_p90", "length_p99")  # fmt: skip
+COUNT_NOUNS = ("steps", "rows", "graphs", "graphs_in_loop", "recompiles", "skips", "halvings", "labels", "cores",
+               "trials", "length_max", "length_p50", "length_p90", "length_p99")  # fmt: skip
 SHARES = ("pad_fraction", "accuracy", "macro_f1", "exact_match", "precision", "recall", "ci_low", "ci_high")
 UNITLESS = ("loss", "lr", "host_load_mean", "host_load_max", "host_load_per_core", "perplexity")
 

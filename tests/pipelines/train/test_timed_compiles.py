@@ -75,12 +75,12 @@ def test_a_short_last_batch_compiles_no_graph_of_its_own_and_trains_as_eager(def
     compiled, losses = run(params.model_copy(update={"compile": True}), split, said)
     assert graphs_built() - before == 1, said
     assert compiled["compile_graphs"] == 1 and compiled["compile_graphs_in_loop"] == 0
-    assert compiled["recompiles_timed"] == 0 and compiled["cudagraph_skips_timed"] == 0
+    assert compiled["timed_recompiles"] == 0 and compiled["timed_cudagraph_skips"] == 0
     assert not any("recompiles" in line for line in said), said
     assert len(losses) == 4 and losses == pytest.approx(eager_losses, rel=1e-5)
     assert compiled["final_train_loss"] == pytest.approx(eager["final_train_loss"], rel=1e-5)
     # The padding rows are padding: samples/s counts the 100 real rows only.
-    assert compiled["timed_steps"] == 3 and eager["recompiles_timed"] == 0
+    assert compiled["timed_steps"] == 3 and eager["timed_recompiles"] == 0
 
 
 def two_width_split(rows: int = 256, seed: int = 0) -> TokenizedSplit:
@@ -106,6 +106,6 @@ def test_a_shape_the_warm_up_missed_is_counted_as_a_timed_recompile_and_said(def
     trainer.shape_batches = trainer.shape_batches[:1]
     metrics, _, _ = trainer.run(time.perf_counter())
     assert metrics["compile_graphs"] == 1
-    assert metrics["recompiles_timed"] == 1 and metrics["cudagraph_skips_timed"] == 0
+    assert metrics["timed_recompiles"] == 1 and metrics["timed_cudagraph_skips"] == 0
     warnings = [line for line in said if line.startswith("warning: compile: 1 recompiles")]
     assert warnings and "the step times" in warnings[0] and "include them" in warnings[0], said
