@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -56,10 +57,28 @@ def artifact_root(tracking_uri: str, root: Path) -> str | None:
     return None
 
 
+def tls_context() -> ssl.SSLContext:
+    """The TLS checks MLflow's own client makes, from its variables: the probe trusts a server (a self-signed or a
+    private CA's certificate, MLFLOW_TRACKING_SERVER_CERT_PATH) exactly when MLflow's client will."""
+    from mlflow.environment_variables import (
+        MLFLOW_TRACKING_CLIENT_CERT_PATH,
+        MLFLOW_TRACKING_INSECURE_TLS,
+        MLFLOW_TRACKING_SERVER_CERT_PATH,
+    )
+
+    if MLFLOW_TRACKING_INSECURE_TLS.get():
+        return ssl._create_unverified_context()  # the user turned verification off for MLflow: so for the probe
+    context = ssl.create_default_context(cafile=MLFLOW_TRACKING_SERVER_CERT_PATH.get())
+    if client_cert := MLFLOW_TRACKING_CLIENT_CERT_PATH.get():
+        context.load_cert_chain(client_cert)  # a server that asks for the client's certificate (mutual TLS)
+    return context
+
+
 def check_server(configured: str, uri: str, timeout_s: float = 5.0) -> None:
     """Fail in seconds when a tracking server does not answer (MLflow's own client retries for minutes)."""
     try:
-        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s) as response:
+        context = tls_context() if uri.startswith("https://") else None
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s, context=context) as response:
             if response.status == 200:
                 return
             problem = f"HTTP {response.status}"

@@ -1,14 +1,17 @@
 """A team's tracking stack, real and throw-away, as `docs/how-to/team-server.md` sets it up: PostgreSQL for the store
 (Debian's `initdb` + `pg_ctl`), an S3 emulator for the artifacts (moto's server, from the package registry) and
-`mlflow server --app-name basic-auth` in front of both, proxying the artifacts. Each listens on 127.0.0.1 on a free
-port, keeps its files in a temporary folder, and can be stopped and started again on the same port and data."""
+`mlflow server --app-name basic-auth` in front of both, proxying the artifacts and serving HTTPS with a self-signed
+certificate for 127.0.0.1 and localhost (the how-to's openssl command). Each listens on 127.0.0.1 on a free port, keeps
+its files in a temporary folder, and can be stopped and started again on the same port and data."""
 
 from __future__ import annotations
 
 import glob
 import os
 import secrets
+import shlex
 import shutil
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -43,9 +46,11 @@ def wait_until(check, seconds: float, what: str) -> None:
         time.sleep(0.3)
 
 
-def answers(url: str) -> bool:
+def answers(url: str, cafile: Path | None = None) -> bool:
+    """Whether `url` answers 200; an https one verified against `cafile` (a self-signed server's certificate)."""
+    context = ssl.create_default_context(cafile=str(cafile)) if cafile else None
     try:
-        with urllib.request.urlopen(url, timeout=2) as response:
+        with urllib.request.urlopen(url, timeout=2, context=context) as response:
             return response.status == 200
     except OSError:
         return False
@@ -151,15 +156,26 @@ def _boto_keys() -> dict[str, str]:
     return {argument: S3_KEYS[variable] for argument, variable in names.items()}
 
 
+def self_signed_certificate(folder: Path) -> tuple[Path, Path]:
+    """The how-to's openssl command for this host's names (localhost, 127.0.0.1): (certificate, private key).
+    Clients verify the server's name against the subjectAltName, so it names every address they dial."""
+    cert, key = folder / "mlflow-cert.pem", folder / "mlflow-key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:3072", "-sha256", "-days", "365", "-nodes",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=120)  # fmt: skip
+    return cert, key
+
+
 class TeamServer:
     """`mlflow server --app-name basic-auth` over `store` (a PostgreSQL URI; `store_env`: how the server finds its
-    password) with artifacts proxied to the bucket; an admin with a random password, made on first start.
-    `credentials(user)` is what a member exports."""
+    password) with artifacts proxied to the bucket, over HTTPS (`cert`: what clients trust); an admin with a random
+    password, made on first start. `credentials(user)` is what a member exports."""
 
     def __init__(self, folder: Path, store: str, bucket: S3Bucket, store_env: dict[str, str] | None = None) -> None:
         self.folder, self.store, self.bucket, self.store_env = folder, store, bucket, store_env or {}
         self.port, self.proc = free_port(), None
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"https://127.0.0.1:{self.port}"
+        self.cert, self.key = self_signed_certificate(folder)
         self.passwords = {"admin": secrets.token_urlsafe(18)}
         self.secret_key = secrets.token_hex(16)  # CSRF tokens' key: the same across restarts
         (folder / "auth.ini").write_text(
@@ -168,6 +184,16 @@ class TeamServer:
             "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
             "auth_cache_ttl_seconds = 60\n"  # as the how-to advises: a password's hash checked once a minute
         )
+
+    def command(self) -> list[str]:
+        """The how-to's `mlflow server` command on this stack's port, store, bucket and certificate."""
+        # The how-to's --uvicorn-opts as written: uvicorn (MLflow's default server) terminates TLS itself.
+        tls = f"--ssl-keyfile {shlex.quote(str(self.key))} --ssl-certfile {shlex.quote(str(self.cert))}"
+        return [sys.executable, "-m", "mlflow", "server", "--app-name", "basic-auth", "--host", "127.0.0.1",
+                "--port", str(self.port), "--backend-store-uri", self.store,
+                "--artifacts-destination", f"s3://{BUCKET}/mlartifacts", "--workers", "2",
+                "--allowed-hosts", f"127.0.0.1:{self.port},localhost:{self.port}",
+                "--cors-allowed-origins", f"https://127.0.0.1:{self.port}", "--uvicorn-opts", tls]  # fmt: skip
 
     def start(self) -> None:
         # AWS_MAX_ATTEMPTS=1: the server tries the bucket once per request (boto3's default is 5 tries), so a test
@@ -183,17 +209,15 @@ class TeamServer:
             "MLFLOW_AUTH_ADMIN_PASSWORD": self.passwords["admin"],
             "MLFLOW_FLASK_SERVER_SECRET_KEY": self.secret_key,
         }
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--app-name", "basic-auth", "--host", "127.0.0.1",
-             "--port", str(self.port), "--backend-store-uri", self.store,
-             "--artifacts-destination", f"s3://{BUCKET}/mlartifacts", "--workers", "2",
-             "--allowed-hosts", f"127.0.0.1:{self.port},localhost:{self.port}",
-             "--cors-allowed-origins", f"http://127.0.0.1:{self.port}"],
-            cwd=self.folder, env=env, stdout=(self.folder / "server.log").open("ab"), stderr=subprocess.STDOUT,
-            start_new_session=True,
+        self.proc = proc = subprocess.Popen(
+            self.command(), cwd=self.folder, env=env, stdout=(self.folder / "server.log").open("ab"),
+            stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
-        proc = self.proc
-        wait_until(lambda: answers(f"{self.url}/health") or proc.poll() is not None, 120, "the MLflow server")
+
+        def up() -> bool:
+            return answers(f"{self.url}/health", self.cert) or proc.poll() is not None
+
+        wait_until(up, 120, "the MLflow server")
         if proc.poll() is not None:
             raise AssertionError(f"the MLflow server exited:\n{(self.folder / 'server.log').read_text()[-3000:]}")
 
@@ -204,8 +228,10 @@ class TeamServer:
             self.proc = None
 
     def credentials(self, user: str) -> dict[str, str]:
-        """The environment a member sets to reach the server as `user`."""
-        return {"MLFLOW_TRACKING_USERNAME": user, "MLFLOW_TRACKING_PASSWORD": self.passwords[user]}
+        """The environment a member sets to reach the server as `user`: the name, the password, and the server's
+        certificate to trust (self-signed: in no CA bundle, so every client is told where it is)."""
+        return {"MLFLOW_TRACKING_USERNAME": user, "MLFLOW_TRACKING_PASSWORD": self.passwords[user],
+                "MLFLOW_TRACKING_SERVER_CERT_PATH": str(self.cert)}  # fmt: skip
 
     def add_user(self, user: str, permission: str | None, experiment_id: str | None = None) -> None:
         """Make `user` (a random password) and grant `permission` on the experiment, as the admin."""

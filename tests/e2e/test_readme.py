@@ -71,6 +71,11 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
     "createdb -h 127.0.0.1 -U mlflow mlflow": (
         "tests/e2e/team_stack.py::Postgres",
         '[createdb, "-h", "127.0.0.1", "-p", str(self.port), "-U", "mlflow", "mlflow"]'),
+    # The certificate for this host's names (-subj, subjectAltName: localhost, 127.0.0.1), the rest as written.
+    'openssl req -x509 -newkey rsa:3072 -sha256 -days 365 -nodes -subj "/CN=mlflow.internal" -addext '
+    '"subjectAltName=DNS:mlflow.internal,IP:<private-ip>" -keyout /srv/mlflow-key.pem -out /srv/mlflow-cert.pem': (
+        "tests/e2e/team_stack.py::self_signed_certificate",
+        '["openssl", "req", "-x509", "-newkey", "rsa:3072", "-sha256", "-days", "365", "-nodes",'),
     "export MLFLOW_AUTH_CONFIG_PATH=/srv/mlflow-auth.ini": ("tests/e2e/team_stack.py::TeamServer",
                                                             '"MLFLOW_AUTH_CONFIG_PATH"'),
     "export MLFLOW_AUTH_ADMIN_PASSWORD='<a long random password>'": ("tests/e2e/team_stack.py::TeamServer",
@@ -81,8 +86,12 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
                                                         '"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"'),
     "mlflow server --app-name basic-auth --host <private-ip> --port 5000 --backend-store-uri "
     "postgresql+psycopg://mlflow@127.0.0.1:5432/mlflow --artifacts-destination s3://team/mlartifacts --allowed-hosts "
-    '"<private-ip>:5000,mlflow.internal:5000" --cors-allowed-origins "http://mlflow.internal:5000"': (
-        "tests/e2e/team_stack.py::TeamServer", '"--cors-allowed-origins"'),
+    '"<private-ip>:5000,mlflow.internal:5000" --cors-allowed-origins "https://mlflow.internal:5000" --uvicorn-opts '
+    '"--ssl-keyfile /srv/mlflow-key.pem --ssl-certfile /srv/mlflow-cert.pem"': (
+        "tests/e2e/team_stack.py::TeamServer",
+        'f"--ssl-keyfile {shlex.quote(str(self.key))} --ssl-certfile {shlex.quote(str(self.cert))}"'),
+    "export MLFLOW_TRACKING_SERVER_CERT_PATH=/etc/mlflow/mlflow-cert.pem": (
+        "tests/e2e/team_stack.py::TeamServer", '"MLFLOW_TRACKING_SERVER_CERT_PATH": str(self.cert)'),
     "export MLFLOW_TRACKING_USERNAME=alice": ("tests/e2e/team_stack.py::TeamServer", '"MLFLOW_TRACKING_USERNAME"'),
     "read -rs MLFLOW_TRACKING_PASSWORD": ("tests/e2e/team_stack.py::TeamServer", '"MLFLOW_TRACKING_PASSWORD"'),
     "export MLFLOW_TRACKING_PASSWORD": ("tests/e2e/team_stack.py::TeamServer", '"MLFLOW_TRACKING_PASSWORD"'),

@@ -1,17 +1,24 @@
 """A team's tracking server, as docs/how-to/team-server.md sets it up: PostgreSQL, an S3 bucket behind the MLflow
-server, basic auth. Two experiments at once, restarts mid-run, a bucket that fails, and users it refuses."""
+server, basic auth over HTTPS. Two experiments at once, restarts mid-run, a bucket that fails, users it refuses, a
+client that does not trust its certificate, and what crosses the wire."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
+from mlflow.utils.credentials import get_default_host_creds
+from mlflow.utils.rest_utils import http_request
 
 from tests.conftest import FOUR_VARIANTS, QUICK, git_env, run, write_params
 from tests.e2e.team_stack import EXPERIMENT, Postgres, TeamStack, as_user, postgres_bin
@@ -223,3 +230,103 @@ def test_the_store_lets_in_only_the_how_tos_user_with_its_password():
         assert allowed.returncode == 0 and allowed.stdout.split() == ["scram-sha-256"], allowed
     finally:
         store.close()
+
+
+def test_a_member_without_the_servers_certificate_is_refused_before_any_trial(
+    project_copy: Path, team: TeamStack, monkeypatch: pytest.MonkeyPatch
+):
+    """The server's certificate is self-signed: a client not told to trust it (no MLFLOW_TRACKING_SERVER_CERT_PATH)
+    refuses the connection, so it never sends the password to a server it cannot tell from an impostor."""
+    trusting = member(team)
+    untrusting = {key: value for key, value in trusting.items() if key != "MLFLOW_TRACKING_SERVER_CERT_PATH"}
+    team_params(project_copy, team)
+    stage(project_copy, "tokenize", untrusting)
+    refused = stage(project_copy, "train", untrusting, check=False)
+    assert refused.returncode == 1 and "CERTIFICATE_VERIFY_FAILED" in refused.stderr, refused.stderr[-2000:]
+    assert runs_of(team) == [] and not (project_copy / "checkpoints").exists()  # no run opened, no trial started
+    # MLflow's own client (the trials' and the system metrics' way to the server) refuses it too. No retries: MLflow
+    # retries a refused handshake 7 times by default (4 minutes), and the first refusal is the one that counts.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    for key, value in untrusting.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("MLFLOW_TRACKING_SERVER_CERT_PATH", raising=False)
+    with pytest.raises(MlflowException, match="CERTIFICATE_VERIFY_FAILED"):
+        MlflowClient(team.server.url).get_experiment(team.experiment_id)
+    monkeypatch.setenv("MLFLOW_TRACKING_SERVER_CERT_PATH", trusting["MLFLOW_TRACKING_SERVER_CERT_PATH"])
+    assert MlflowClient(team.server.url).get_experiment(team.experiment_id).name == EXPERIMENT  # with it, let in
+
+
+class Relay:
+    """A TCP relay from a free port of 127.0.0.1 to `port` that keeps every byte each way (`sent`: client to server,
+    `received`: server to client): what anyone on the network path between a member and the server can read."""
+
+    def __init__(self, port: int) -> None:
+        self.target, self.sent, self.received = port, bytearray(), bytearray()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        """Take each connection and relay it both ways, one thread a direction, until the relay is closed."""
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            upstream = socket.create_connection(("127.0.0.1", self.target), timeout=30)
+            for source, sink, record in ((client, upstream, self.sent), (upstream, client, self.received)):
+                threading.Thread(target=self._pump, args=(source, sink, record), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket, record: bytearray) -> None:
+        """Copy `source` to `sink`, recording it, until `source` closes; then close `sink`'s sending side."""
+        try:
+            while chunk := source.recv(65536):
+                record += chunk  # before it is passed on: whatever the far side saw, the record holds
+                sink.sendall(chunk)
+            sink.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the other side went away: the exchange is over
+
+    def close(self) -> None:
+        """Take no more connections (those open end with their sides)."""
+        self.listener.close()
+
+
+def test_the_password_crosses_the_wire_only_encrypted(project_copy: Path, team: TeamStack):
+    """MLflow's client, with a member's environment, reads the experiment through a relay that records the traffic:
+    the request and its answer arrive, and the recording holds no password, no basic-auth header, no plain HTTP.
+    The same client writing http:// to the same port sends its password in clear (what the recording shows without
+    TLS), and the server answers it nothing: its port speaks only TLS. The pipeline given http:// by mistake stops at
+    its health probe, which carries no credentials, before it sends the password."""
+    user, env = "trainer", member(team)
+    token = base64.b64encode(f"{user}:{env['MLFLOW_TRACKING_PASSWORD']}".encode())
+    secrets = (env["MLFLOW_TRACKING_PASSWORD"].encode(), token)
+    relay = Relay(team.server.port)
+    try:
+        with as_user(team.server, user):
+            # Host: the server's own name and port, which --allowed-hosts lets in (the relay's port it would refuse).
+            answer = http_request(get_default_host_creds(f"https://127.0.0.1:{relay.port}"),
+                                  "/api/2.0/mlflow/experiments/get", "GET", max_retries=0,
+                                  params={"experiment_id": team.experiment_id},
+                                  extra_headers={"Host": f"127.0.0.1:{team.server.port}"})  # fmt: skip
+            assert answer.status_code == 200 and answer.json()["experiment"]["name"] == EXPERIMENT
+            encrypted, answered = bytes(relay.sent), bytes(relay.received)
+            assert encrypted[:1] == answered[:1] == b"\x16"  # both sides open with a TLS handshake record
+            assert not any(s in encrypted for s in secrets) and b"Authorization" not in encrypted
+            assert b"HTTP/1.1" not in encrypted + answered and EXPERIMENT.encode() not in answered
+            del relay.sent[:], relay.received[:]
+            with pytest.raises(MlflowException):
+                http_request(get_default_host_creds(f"http://127.0.0.1:{relay.port}"),
+                             "/api/2.0/mlflow/experiments/get", "GET", max_retries=0,
+                             params={"experiment_id": team.experiment_id})  # fmt: skip
+        assert token in relay.sent  # without TLS, anyone on the path reads it
+        assert not relay.received.startswith(b"HTTP/")  # the server did not take the request
+        del relay.sent[:], relay.received[:]
+        team_params(project_copy, team, **{"tracking.uri": f"http://127.0.0.1:{relay.port}"})
+        stage(project_copy, "tokenize", env)
+        mistaken = stage(project_copy, "train", env, check=False)
+        assert mistaken.returncode == 1 and "unreachable" in mistaken.stderr, mistaken.stderr[-2000:]
+        assert b"GET /health" in relay.sent and not any(s in relay.sent for s in secrets)
+    finally:
+        relay.close()
