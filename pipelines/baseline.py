@@ -129,7 +129,7 @@ def timing_note(figures: Mapping[str, Any], committed: Mapping[str, Any] | None)
 
 
 # The keys of a trial's config that tell its repeats apart, not its configuration: the repeat's seed and index
-# (`pipelines.trials.tuning.param_space`). Every other key (the variant, each sampled hyperparameter) is the config.
+# (`pipelines.trials.tuner.param_space`). Every other key (the variant, each sampled hyperparameter) is the config.
 _REPEAT_KEYS = ("seed", REPEAT_KEY)
 
 

@@ -60,16 +60,12 @@ def artifact_root(tracking_uri: str, root: Path) -> str | None:
 def tls_context() -> ssl.SSLContext:
     """The TLS checks MLflow's own client makes, from its variables: the probe trusts a server (a self-signed or a
     private CA's certificate, MLFLOW_TRACKING_SERVER_CERT_PATH) exactly when MLflow's client will."""
-    from mlflow.environment_variables import (
-        MLFLOW_TRACKING_CLIENT_CERT_PATH,
-        MLFLOW_TRACKING_INSECURE_TLS,
-        MLFLOW_TRACKING_SERVER_CERT_PATH,
-    )
+    from mlflow import environment_variables as variables
 
-    if MLFLOW_TRACKING_INSECURE_TLS.get():
+    if variables.MLFLOW_TRACKING_INSECURE_TLS.get():
         return ssl._create_unverified_context()  # the user turned verification off for MLflow: so for the probe
-    context = ssl.create_default_context(cafile=MLFLOW_TRACKING_SERVER_CERT_PATH.get())
-    if client_cert := MLFLOW_TRACKING_CLIENT_CERT_PATH.get():
+    context = ssl.create_default_context(cafile=variables.MLFLOW_TRACKING_SERVER_CERT_PATH.get())
+    if client_cert := variables.MLFLOW_TRACKING_CLIENT_CERT_PATH.get():
         context.load_cert_chain(client_cert)  # a server that asks for the client's certificate (mutual TLS)
     return context
 

@@ -16,8 +16,9 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -89,24 +90,73 @@ def claim_checkpoint_dir(root: Path, params: Params) -> Iterator[Path]:
     The key makes a crashed run's re-run find its checkpoint. The lock (an `flock`, released by
     the kernel when the process dies, `kill -9` included) keeps two live runs with the same params
     (two queued DVC experiments) apart: the second gets `<key>-1`, and so on, so no run resumes,
-    overwrites or deletes another's checkpoint.
+    overwrites or deletes another's checkpoint. The lock's file goes with the block (an empty folder too), and a
+    process that died holding it leaves one that `remove_unheld_locks` removes.
     """
     key = checkpoint_key(params)
     for attempt in itertools.count():
         folder = root / (key if attempt == 0 else f"{key}-{attempt}")
-        folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        fd = _lock(folder)
+        if fd is None:
             continue
         try:
             yield folder
         finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+            _unlock(folder, fd)
         return
+
+
+def _lock(folder: Path) -> int | None:
+    """An open, exclusively locked descriptor of `folder`'s lock file; None when a live process holds it."""
+    while True:
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:  # the folder was removed as empty between the two calls: make it again
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        if _same_file(fd, folder / LOCK_FILE):
+            return fd
+        # Its holder removed the file while this process waited on it: the lock is of a file no one else sees.
+        os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _unlock(folder: Path, fd: int) -> None:
+    """Remove the lock's file while still holding it (a process that opened it meanwhile finds it gone, see `_lock`),
+    release it, and remove the folder if nothing else is left in it."""
+    with suppress(FileNotFoundError):  # a finished run's folder is already gone (`discard`)
+        os.unlink(folder / LOCK_FILE)
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+    with suppress(OSError):  # not empty: its checkpoint is kept for the next run to resume
+        folder.rmdir()
+
+
+def remove_unheld_locks(root: Path, wait_s: float = 10.0) -> list[Path]:
+    """Remove every lock file under `root` that no live process holds (one whose process was killed, as Ray stops a
+    trial), waiting up to `wait_s` for those still held to be let go; return the folders still held then."""
+    deadline = time.monotonic() + wait_s
+    held = sorted(lock.parent for lock in root.glob(f"*/{LOCK_FILE}"))
+    while True:
+        for folder in list(held):
+            fd = _lock(folder)
+            if fd is not None:
+                _unlock(folder, fd)
+                held.remove(folder)
+        if not held or time.monotonic() > deadline:
+            return held
+        time.sleep(0.2)
 
 
 def save_checkpoint(folder: Path, params: Params, state: LoopState, step: TrainStep, scheduler: Any) -> None:

@@ -11,11 +11,13 @@ model; the metrics it reports are the global ones (the engine reduces them acros
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pipelines.errors import UserError
 from pipelines.params import Params
 from pipelines.recipe import FINAL_KEY, METRICS_FILE, NullLogger, Trial, TrialContext, train_and_save
 from pipelines.runtime import gpus_for_every_worker
@@ -46,6 +48,27 @@ def _epoch_reports_to_tune() -> Any:
     return EpochReportsToTune()
 
 
+# Ray Train counts a worker group that did not start (its placement group not ready within
+# RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, 60 s by default) as a controller failure, which it retries without limit by
+# default (FailureConfig.controller_failure_limit = -1): a cluster that never frees the room retried forever, logging
+# each try. Two retries cover a node that was a moment late; then the trial fails, saying why.
+WORKER_GROUP_START_RETRIES = 2
+START_TIMEOUT_VAR = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # Ray Train's own variable; the driver's reaches us
+
+
+def start_failed_message(params: Params, threads: int, use_gpu: bool, reason: str) -> str:
+    """Why Ray Train gave up starting this trial's workers, and what to do."""
+    timeout = float(os.environ.get(START_TIMEOUT_VAR, "60"))
+    workers = params.distributed.num_workers
+    each = f"{threads} CPU{'s' if threads != 1 else ''}{' and 1 GPU' if use_gpu else ''} each"
+    return (
+        f"Ray Train could not start this trial's {workers} workers ({each}) in {WORKER_GROUP_START_RETRIES + 1} tries "
+        f"of {timeout:g} s ({START_TIMEOUT_VAR}): the cluster has room for them, but it was not free ({reason}); "
+        f"free what other work holds on the cluster (`ray status` shows it), or set {START_TIMEOUT_VAR} higher where "
+        "nodes take longer to join or free up"
+    )
+
+
 def run_distributed_trial(
     params: Params, context: TrialContext, variant: str, trial_id: str, run_id: str, checkpoint_dir: Path
 ) -> dict[str, float]:
@@ -54,8 +77,9 @@ def run_distributed_trial(
     Rank 0 saves the model beside the driver's staging folder, so the repository's folder must be
     the same shared path on every node (see docs/how-to/ray-cluster.md).
     """
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import ControllerError, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError, WorkerGroupStartupTimeoutError
 
     from pipelines.trials.ray_cluster import seal_credentials
 
@@ -83,9 +107,17 @@ def run_distributed_trial(
             name=f"{variant}-{trial_id}",
             storage_path=str(Path(context.root) / "ray_results"),
             callbacks=[_epoch_reports_to_tune()],
+            failure_config=FailureConfig(controller_failure_limit=WORKER_GROUP_START_RETRIES),
         ),
     )
-    trainer.fit()
+    try:
+        trainer.fit()
+    except ControllerError as err:
+        failure = err.controller_failure
+        if not isinstance(failure, WorkerGroupStartupTimeoutError | WorkerGroupStartupFailedError):
+            raise
+        reason = str(failure).split(". ", 1)[0]  # Ray's first sentence; the rest is its generic advice
+        raise UserError(start_failed_message(params, context.threads, use_gpu, reason)) from err
     # Rank 0 saved the model and its final metrics to the trial's staging folder (shared storage).
     return json.loads((Path(context.staging_dir) / trial_id / METRICS_FILE).read_text())
 

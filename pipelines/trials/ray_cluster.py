@@ -26,10 +26,16 @@ TRACKING_CREDENTIALS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", 
                         "MLFLOW_TRACKING_SERVER_CERT_PATH", "MLFLOW_TRACKING_CLIENT_CERT_PATH")  # fmt: skip
 
 
+# Read by Ray Train in its controller, a process of the cluster's: the driver's user sets it where the trials run.
+DRIVER_SETTINGS = ("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S",)
+
+
 def worker_env() -> dict[str, str]:
-    """The trials' environment: WORKER_ENV and MLflow's telemetry off unless the driver's user set it
-    (`pipelines.tracking` says why). No credentials: those reach the trials by `seal_credentials`."""
-    return {**WORKER_ENV, "MLFLOW_DISABLE_TELEMETRY": os.environ.get("MLFLOW_DISABLE_TELEMETRY", "true")}
+    """The trials' environment: WORKER_ENV, MLflow's telemetry off unless the driver's user set it
+    (`pipelines.tracking` says why), and the driver's DRIVER_SETTINGS. No credentials: those reach the trials by
+    `seal_credentials`."""
+    settings = {key: os.environ[key] for key in DRIVER_SETTINGS if os.environ.get(key)}
+    return {**WORKER_ENV, "MLFLOW_DISABLE_TELEMETRY": os.environ.get("MLFLOW_DISABLE_TELEMETRY", "true"), **settings}
 
 
 @dataclass(frozen=True)

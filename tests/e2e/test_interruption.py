@@ -1,10 +1,14 @@
-"""kill -9 in the middle of training: the next `dvc repro` resumes and ends where an uninterrupted run ends."""
+"""kill -9 in the middle of training: the next `dvc repro` resumes and ends where an uninterrupted run ends. Ctrl-C in
+the middle of training: one line, no traceback, the checkpoint kept and no lock left."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -57,3 +61,38 @@ def test_kill_9_mid_train_then_repro_resumes_to_the_same_metrics(
     assert not [r for r in runs if r.info.status == "RUNNING"]
     killed = [r for r in runs if r.info.status == "KILLED"]
     assert killed and all("process died" in r.data.tags.get("closed", "") for r in killed)
+
+
+def test_ctrl_c_mid_train_ends_with_one_line_keeps_the_checkpoint_and_leaves_no_lock(
+    project_copy: Path, own_ray_cluster: None
+):
+    write_params(project_copy, SETTINGS)
+    run([sys.executable, "-m", "stages.tokenize"], project_copy)
+    checkpoints = project_copy / "checkpoints"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stages.train"],
+        cwd=project_copy,
+        env=git_env(),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not list(checkpoints.glob("*/checkpoint.pt")) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert list(checkpoints.glob("*/checkpoint.pt")), "no checkpoint was written"
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the foreground process group
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        kill_session(proc.pid)  # anything left of the stage and its Ray cluster; nothing else
+    # Before: Ray Tune's graceful stop, its `Tuner.restore(...)` hint, then `KeyError: 'mlflow_run_id'`'s traceback.
+    assert proc.returncode == 130, stderr
+    assert stderr.strip() == "interrupted", stderr
+    assert list(checkpoints.glob("*/checkpoint.pt")), "the checkpoint the next run resumes from is gone"
+    assert not list(checkpoints.glob("*/.lock")), sorted(checkpoints.rglob("*"))
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{project_copy / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("finetune").experiment_id])
+    assert runs and {r.info.status for r in runs} == {"KILLED"}, [(r.info.run_name, r.info.status) for r in runs]

@@ -121,6 +121,14 @@ CASES = [
         None,
         "but the Ray cluster started here (told this machine's CUDA devices, torch's count) has 0",
     ),
+    (
+        "workers Ray can never place",
+        "train",
+        # 64 CPUs per worker: more than any node of the local cluster has, on this machine or a larger one.
+        {"distributed.num_workers": 2, "tune.resources_per_trial.cpu": 64},
+        None,
+        "each trial needs its driver (1 CPU) and 2 Ray Train workers of 64 CPUs each, a worker on one node",
+    ),
 ]
 
 

@@ -96,3 +96,54 @@ def test_a_train_stage_asking_for_gpus_ray_lacks_fails_in_seconds_instead_of_wai
     assert f"has {seen:g} (ray.cluster_resources() GPU: {seen:g}), so Ray Tune would wait for them forever" in message
     assert "or train on the CPU (device: cpu)" in message
     assert took < 120, took  # Ray's start and MLflow's store, no trial: before, Tune waited for the GPU forever
+
+
+def test_a_distributed_trials_workers_are_placed_node_by_node_beside_its_driver(default_params):
+    from pipelines.trials.placement import trial_ask, unplaceable_message, workers_placed
+
+    params = tiny_params(default_params, **{"distributed.num_workers": 2, "distributed.use_gpu": False})
+    two_cpus = trial_ask(params, 1, 0, 2)
+    # 4 CPUs in all but 2 per node: the driver takes one CPU of a node, so one worker of 2 fits beside it.
+    assert workers_placed([{"CPU": 2, "GPU": 0}, {"CPU": 2, "GPU": 0}], two_cpus) == 1
+    assert workers_placed([{"CPU": 3, "GPU": 0}, {"CPU": 2, "GPU": 0}], two_cpus) == 2  # the driver beside a worker
+    assert workers_placed([{"CPU": 0, "GPU": 1}], two_cpus) == -1  # the driver itself fits nowhere
+    message = unplaceable_message(params, [{"CPU": 2, "GPU": 0}, {"CPU": 2, "GPU": 0}], two_cpus, "10.0.0.5:6379")
+    assert message == (
+        "each trial needs its driver (1 CPU) and 2 Ray Train workers of 2 CPUs each, a worker on one node "
+        "(distributed.num_workers = 2, tune.resources_per_trial.cpu = null: this machine's cores shared among the "
+        "workers), but the Ray cluster at 10.0.0.5:6379 has 2 nodes (2 CPUs, 0 GPUs; 2 CPUs, 0 GPUs; ray.nodes()): "
+        "beside the driver, 1 of the 2 workers fit, so Ray Train would wait for them forever; set "
+        "tune.resources_per_trial.cpu: 1 (CPUs per worker), or add nodes or CPUs to the cluster (`ray start`)"
+    )
+    # A GPU each: two 1-GPU nodes hold them, one 2-GPU node too, but not one 1-GPU node.
+    gpus = trial_ask(tiny_params(params, **{"distributed.use_gpu": True}), 1, 0, 1)
+    assert workers_placed([{"CPU": 4, "GPU": 1}, {"CPU": 4, "GPU": 1}], gpus) == 2
+    assert workers_placed([{"CPU": 4, "GPU": 2}], gpus) == 2
+    assert workers_placed([{"CPU": 4, "GPU": 1}], gpus) == 1
+
+
+@pytest.mark.timeout(300)  # before, Tune waited for the CPUs forever
+def test_a_train_stage_asking_for_more_cpus_than_any_node_has_fails_in_seconds(
+    default_params, own_ray_cluster, tmp_path
+):
+    import ray
+
+    from pipelines.errors import UserError
+    from pipelines.trials.tuning import run_tuning
+
+    cores = os.cpu_count() or 1
+    overrides = {"tune.resources_per_trial.cpu": cores + 1, "tune.address": None, "device": "cpu"}  # no GPU held
+    params = tiny_params(default_params, **overrides)
+    if ray.is_initialized():  # a cluster of this process's own, started by run_tuning below
+        ray.shutdown()
+    try:
+        with pytest.raises(UserError) as refused:
+            run_tuning(params, tmp_path, tmp_path / "tokenized", tmp_path / "model", {})
+    finally:
+        ray.shutdown()
+    assert str(refused.value) == (
+        f"each trial asks Ray for {cores + 1} CPUs on one node (tune.resources_per_trial.cpu = {cores + 1}: as "
+        f"declared), but no node of the Ray cluster started here has that many: 1 node ({cores} CPUs, 0 GPUs; "
+        f"ray.nodes()), so Ray Tune would wait for it forever; set tune.resources_per_trial.cpu: {cores}, or join a "
+        "larger cluster (tune.address or RAY_ADDRESS)"
+    )

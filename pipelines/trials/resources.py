@@ -1,0 +1,36 @@
+"""What a trial reserves on Ray (its CPUs and GPUs, or a distributed trial's driver and workers) and what a local Ray
+is told of this machine's CPUs."""
+
+from __future__ import annotations
+
+from pipelines.params import Params
+
+
+def trial_resources(params: Params, cpus: int) -> dict[str, float]:
+    """CPUs and GPUs per trial: as declared, else an even share of the cores and one GPU when it trains on CUDA.
+
+    A distributed trial is only its workers' driver: it reserves one CPU, and each of its
+    workers reserves `worker_threads` CPUs (and a GPU with distributed.use_gpu).
+    """
+    import torch
+
+    if params.distributed.num_workers > 1:
+        return {"cpu": 1, "gpu": 0}
+    declared = params.tune.resources_per_trial
+    cpu = declared.cpu or max(1, cpus // params.tune.max_concurrent_trials)
+    trains_on_cuda = params.device != "cpu" and torch.cuda.is_available()  # device: cpu holds no GPU back
+    # gpu: auto's shares are planned once Ray is up (pipelines.trials.card_share); without them, as null.
+    gpu = declared.gpu if declared.gpu not in (None, "auto") else (1.0 if trains_on_cuda else 0.0)
+    return {"cpu": cpu, "gpu": float(gpu)}
+
+
+def worker_threads(params: Params, cpus: int) -> int:
+    """torch threads (and Ray CPUs) per training process: per trial, or per worker of a distributed trial."""
+    declared = params.tune.resources_per_trial.cpu
+    processes = params.tune.max_concurrent_trials * params.distributed.num_workers
+    return max(1, int(declared or cpus // processes))
+
+
+def local_ray_cpus(params: Params, cpus: int) -> int:
+    """Logical CPUs of a local Ray: the cores, plus one per concurrent distributed trial for its idle driver."""
+    return cpus + (params.tune.max_concurrent_trials if params.distributed.num_workers > 1 else 0)
