@@ -18,7 +18,7 @@ from pipelines.params import AdapterParams, Params
 
 if TYPE_CHECKING:
     from torch import nn
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase
 
     from pipelines.tasks.base import Task
 
@@ -46,18 +46,34 @@ def quantize_4bit(model: PreTrainedModel, params: Params) -> PreTrainedModel:
 
     import torch
     from peft import prepare_model_for_kbit_training
-    from transformers import BitsAndBytesConfig
 
-    compute = torch.float16 if params.precision == "fp16" else torch.bfloat16
-    config = BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute
-    )
+    config = quantization_config(params)
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         quantized = type(model).from_pretrained(
             tmp, quantization_config=config, dtype=torch.float32, device_map={"": torch.cuda.current_device()}
         )
     return prepare_model_for_kbit_training(quantized, use_gradient_checkpointing=params.grad_checkpointing)
+
+
+def quantization_config(params: Params) -> BitsAndBytesConfig:
+    """QLoRA's 4-bit NF4 config: double quantization, compute in bf16 unless the run is fp16.
+
+    Under `distributed.strategy: fsdp` the packed 4-bit weights are stored in the compute dtype
+    (`bnb_4bit_quant_storage`, as Answer.AI's FSDP-QLoRA and TRL do): FSDP shards floating-point tensors only, and
+    with the storage in the dtype of the rest of the frozen base every block is one unit of one dtype. In uint8
+    (bitsandbytes' default) `fully_shard` fails on them (a uint8 tensor cannot be a parameter that requires grad) or,
+    forced past that, scrambles their quantization (huggingface/accelerate#3983).
+    """
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    compute = torch.float16 if params.precision == "fp16" else torch.bfloat16
+    storage = compute if params.distributed.strategy == "fsdp" else torch.uint8
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute,
+        bnb_4bit_quant_storage=storage,
+    )  # fmt: skip
 
 
 def apply_adapter(

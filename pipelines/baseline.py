@@ -133,12 +133,16 @@ def timing_note(figures: Mapping[str, Any], committed: Mapping[str, Any] | None)
 _REPEAT_KEYS = ("seed", REPEAT_KEY)
 
 
+def without_repeat(config: Mapping[str, Any]) -> dict[str, Any]:
+    """`config` (a trial's config, or its overrides) less its repeat's seed and index: what its repeats share. The one
+    rule for which trials are repeats of one configuration, here and in the report's table (`pipelines.comparison`)."""
+    return {key: value for key, value in config.items() if key not in _REPEAT_KEYS}
+
+
 def configuration(trial: Mapping[str, Any]) -> dict[str, Any] | None:
     """What a trial of the summary trained with, its repeat's seed and index left out; None without a config."""
     config = trial.get("config")
-    if not isinstance(config, Mapping):
-        return None
-    return {key: value for key, value in config.items() if key not in _REPEAT_KEYS}
+    return without_repeat(config) if isinstance(config, Mapping) else None
 
 
 def repeat_times(summary: Mapping[str, Any], run_id: str) -> list[float]:

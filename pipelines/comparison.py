@@ -2,7 +2,9 @@
 
 MLflow is the one source of truth: every number is a stored metric, printed with
 `format_metric`. A variant repeated over seeds (`tune.num_samples` > 1) is one row of
-mean ± sd. Differences to the baseline are marked `*` where they exceed the noise
+mean ± sd. With a search space a variant's trials differ in their sampled hyperparameters, so each configuration
+is a row of its own, its repeats only the trials that drew the same values (`pipelines.baseline.configuration`'s
+rule). Differences to the baseline are marked `*` where they exceed the noise
 (`pipelines.noise`) and say "within noise" where they do not; memory figures are exact byte
 counts, so their noise is zero; a single run's time has no noise estimate, which the legend says.
 """
@@ -11,13 +13,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient  # the client is passed in: pipelines.tracking opens it
 
+from pipelines.baseline import without_repeat
 from pipelines.concurrency import METRIC as CONCURRENT
 from pipelines.concurrency import concurrency_note
+from pipelines.gpu_profiles import MIB
 from pipelines.host_load import is_under_load
 from pipelines.noise import binomial_se, exceeds_noise, mean_sd, repeats_se
 from pipelines.task_registry import TASKS
@@ -25,7 +29,6 @@ from pipelines.tracking.runs import child_runs
 from pipelines.trial_context import QUALITY_TAG
 
 BASELINE_VARIANT = "vanilla"
-MB = 1024 * 1024
 
 # How a column's noise is known: seeds' spread only ("repeats"), exact counts ("exact"), or a binomial proportion.
 Noise = Literal["repeats", "exact", "binomial", "none"]
@@ -59,10 +62,10 @@ SPEED_MEMORY_COLUMNS = (
     Column("Samples/s", "samples_per_s", digits=0, timed=True),
     Column("Tokens/s", "tokens_per_s", digits=0, timed=True),
     Column("Padding", "padding_fraction", "%", scale=100),  # of the batches' positions (bucketing, packing)
-    Column("Peak train memory", "peak_train_memory_bytes", " MiB", scale=1 / MB, relative=True, noise="exact"),
-    Column("Optimizer state", "optimizer_state_bytes", " MiB", scale=1 / MB, digits=2, relative=True, noise="exact"),
-    Column("Activations", "peak_activation_bytes", " MiB", scale=1 / MB, digits=2, relative=True, noise="exact"),
-    Column("Peak RSS", "peak_rss_bytes", " MiB", scale=1 / MB, digits=0),
+    Column("Peak train memory", "peak_train_memory_bytes", " MiB", scale=1 / MIB, relative=True, noise="exact"),
+    Column("Optimizer state", "optimizer_state_bytes", " MiB", scale=1 / MIB, digits=2, relative=True, noise="exact"),
+    Column("Activations", "peak_activation_bytes", " MiB", scale=1 / MIB, digits=2, relative=True, noise="exact"),
+    Column("Peak RSS", "peak_rss_bytes", " MiB", scale=1 / MIB, digits=0),
 )
 
 
@@ -95,12 +98,12 @@ def quality_columns(task: str, rows: list[TrialRow] | None = None) -> tuple[Colu
 
 # Shown when a trial froze parameters (LoRA): gradients and optimizer state exist for the trainable ones only.
 TRAINABLE_COLUMN = Column(
-    "Trainable param memory", "trainable_param_bytes", " MiB", scale=1 / MB, digits=2, relative=True, noise="exact"
+    "Trainable param memory", "trainable_param_bytes", " MiB", scale=1 / MIB, digits=2, relative=True, noise="exact"
 )
 # Shown when trials were planned (pipelines.resolve.memory_plan): the prediction and its error against the measured
 # peak.
 PLAN_COLUMN = Column(
-    "Predicted peak", "predicted_peak_train_memory_bytes", " MiB", scale=1 / MB, versus="peak_train_memory_bytes"
+    "Predicted peak", "predicted_peak_train_memory_bytes", " MiB", scale=1 / MIB, versus="peak_train_memory_bytes"
 )
 
 
@@ -157,7 +160,8 @@ class TrialRow:
 
 @dataclass
 class VariantGroup:
-    """A variant's finished runs (several when it was repeated over seeds)."""
+    """One configuration's finished runs (several when it was repeated over seeds): a variant, with a search space
+    one of its sampled configurations (`name` then says which)."""
 
     name: str
     rows: list[TrialRow]
@@ -193,7 +197,8 @@ def load_rows(client: MlflowClient, experiment_id: str, parent_run_id: str) -> l
 def with_last_commit(client: MlflowClient, rows: list[TrialRow], run_id: str | None, commit: str) -> list[TrialRow]:
     """A one-variant run (a `dvc exp run` changing one knob) compared with the best trial of the commit it started
     from, put first as the baseline, when the store has that run finished; else the rows as they are."""
-    if run_id is None or len(group_rows(rows)) != 1 or run_id in {r.run_id for r in rows}:
+    variants = {r.name for r in rows if r.status == "FINISHED"}  # a search space's configurations are one variant
+    if run_id is None or len(variants) != 1 or run_id in {r.run_id for r in rows}:
         return rows
     try:
         run = client.get_run(run_id)
@@ -205,13 +210,37 @@ def with_last_commit(client: MlflowClient, rows: list[TrialRow], run_id: str | N
     return [TrialRow(name, run_id, "FINISHED", dict(run.data.metrics), dict(run.data.tags)), *rows]
 
 
+# The tag each trial sets to what it trained with beyond the base params (pipelines.trials.trial.trial_params): its
+# variant's overrides and its sampled values, its seed among them.
+OVERRIDES_TAG = "overrides"
+
+
+def configuration_of(row: TrialRow) -> dict[str, Any]:
+    """What a trial trained with beyond its variant's name: its overrides, its repeat's seed left out (the rule of
+    `pipelines.baseline.configuration`); empty for a run without the tag (a variant's overrides alone)."""
+    try:
+        overrides = json.loads(row.tags.get(OVERRIDES_TAG, "{}"))
+    except json.JSONDecodeError:
+        return {}
+    return without_repeat(overrides) if isinstance(overrides, dict) else {}
+
+
 def group_rows(rows: list[TrialRow]) -> list[VariantGroup]:
-    """Finished runs grouped by variant, in first-seen order (the baseline first)."""
-    groups: dict[str, VariantGroup] = {}
-    for row in rows:
-        if row.status == "FINISHED":
-            groups.setdefault(row.name, VariantGroup(row.name, [])).rows.append(row)
-    return list(groups.values())
+    """Finished runs grouped by configuration, in first-seen order (the baseline first): a group is the repeats of
+    one configuration, trials of one variant that trained with the same values and differ only by seed. With a search
+    space a variant's trials differ in their sampled hyperparameters, so they are not repeats: each configuration is
+    a group, named by its variant and the values that tell it from the variant's others (`vanilla · lr=0.001`)."""
+    grouped: dict[tuple[str, str], list[TrialRow]] = {}
+    for row in (r for r in rows if r.status == "FINISHED"):
+        grouped.setdefault((row.name, json.dumps(configuration_of(row), sort_keys=True)), []).append(row)
+    configs = {key: json.loads(key[1]) for key in grouped}
+    groups = []
+    for (name, config), members in grouped.items():
+        mine, others = configs[(name, config)], [c for (n, _), c in configs.items() if n == name]
+        told = [k for k in sorted({k for c in others for k in c}) if any(c.get(k) != mine.get(k) for c in others)]
+        shown = [f"{k}={mine.get(k):.3g}" if isinstance(mine.get(k), float) else f"{k}={mine.get(k)}" for k in told]
+        groups.append(VariantGroup(" · ".join([name, *shown]), members))  # shown as the trials' run names show them
+    return groups
 
 
 def difference_se(column: Column, group: VariantGroup, baseline: VariantGroup) -> tuple[float, float | None] | None:
@@ -357,7 +386,7 @@ def unknown_noise_note(rows: list[TrialRow]) -> str | None:
     groups = group_rows(rows)
     if len(groups) > 1 and any(len(g.rows) < 2 for g in groups):
         return (
-            "Train time: one run per variant, so its noise is unknown and differences are not marked; "
+            "Train time: one run per configuration, so its noise is unknown and differences are not marked; "
             "set tune.num_samples to 2 or more to repeat each variant over seeds."
         )
     return None

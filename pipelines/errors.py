@@ -15,6 +15,10 @@ class UserError(Exception):
     """An error caused by the user's input; its message says what to change."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, with what the user does next (its message: `rerun the same command to resume from step 40`)."""
+
+
 def warn_user(message: str) -> None:
     """A one-line warning about the user's input that does not stop the run (stderr, as errors are)."""
     print(f"warning: {message}", file=sys.stderr, flush=True)
@@ -37,6 +41,6 @@ def run_cli(main: Callable[[], None], arguments: bool = False) -> None:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as stop:
+        print(f"interrupted; {stop}" if str(stop) else "interrupted", file=sys.stderr)
         sys.exit(130)

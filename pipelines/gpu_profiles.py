@@ -13,9 +13,17 @@ is plain FP32).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 MIB = 2**20
+
+
+def mib(n_bytes: float) -> float:
+    """`n_bytes` in MiB (2**20 bytes) to one decimal: how a figure in MiB is stored beside its exact byte count
+    (`peak_train_memory_mib` in DVC's metrics and the runs' figures)."""
+    return round(n_bytes / MIB, 1)
+
 
 # What a card holds that the plan's allocated peak does not count, stated separately beside it
 # (docs/how-to/plan-memory.md), as measured on an H100 (torch 2.11, benchmarks/RESULTS.md, GPU): the CUDA context
@@ -90,6 +98,20 @@ def gpu_profile(name: str) -> GpuProfile:
     if name not in GPU_PROFILES:
         raise ValueError(f"unknown GPU profile {name!r}; known: {', '.join(GPU_PROFILES)}")
     return GPU_PROFILES[name]
+
+
+# `target_device` and `--target` name a cluster as `<gpus>x<card>` (one node) or `<nodes>x<gpus>x<card>`.
+CLUSTER_FORMS = "<gpus>x<card> (one node, e.g. 8xA100-80GB) or <nodes>x<gpus>x<card> (e.g. 2x8xH100-80GB)"
+_CLUSTER = re.compile(r"^(?:([1-9][0-9]*)x)?([1-9][0-9]*)x(.+)$")
+
+
+def parse_cluster(name: str) -> tuple[int, int, str] | None:
+    """(nodes, GPUs per node, card) of a cluster name (`8xA100-80GB`, `2x8xH100-80GB`), or None when `name` does not
+    have that form or its card is not a profile."""
+    found = _CLUSTER.match(name)
+    if found is None or found.group(3) not in GPU_PROFILES:
+        return None
+    return int(found.group(1) or 1), int(found.group(2)), found.group(3)
 
 
 def profile_for_device(device_name: str) -> GpuProfile | None:

@@ -40,6 +40,8 @@ from pipelines.train.checkpoint import discard
 from pipelines.train.compiled_step import use_cache
 from pipelines.train.engine import TrainRequest, TrainResult, run_training
 from pipelines.train.flops import flops_metrics
+from pipelines.train.results import world
+from pipelines.train.shard_loading import build_on_meta, builds_on_meta
 from pipelines.trial_context import FINAL_KEY, QUALITY_TAG, TrialContext
 
 PARAMS_FILE = "params.json"
@@ -145,7 +147,12 @@ def set_up(trial: Trial, params: Params, device: torch.device | None) -> Setup:
     tokenizer = AutoTokenizer.from_pretrained(tokenized / TOKENIZER_DIR)
     task = get_task(params.task)
     device = device or resolve_device(params)
-    model = set_attention(task.build_model(params, tokenizer, tokenized, root), params.model)
+    # Under FSDP a rank > 0 builds without storage and gets its shards from rank 0 (Trainer); rank 0 builds whole.
+    if builds_on_meta(params, trial.rank, world()[1], device):
+        model = build_on_meta(lambda: task.build_model(params, tokenizer, tokenized, root, weights=False))
+    else:
+        model = task.build_model(params, tokenizer, tokenized, root)
+    model = set_attention(model, params.model)
     train = task.training_split(TokenizedSplit.load(tokenized / "train"), params, model)  # packed, if asked
     # Before any training: the memory plan, the budget and strategy (which may change the params).
     target, elsewhere = trial_target(params, device)

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 from pipelines.comparison import (  # noqa: E402
     LEGEND,
-    MB,
+    MIB,
     TrialRow,
     comparison_table,
     format_metric,
@@ -37,6 +37,7 @@ from pipelines.comparison import (  # noqa: E402
     unknown_noise_note,
     with_last_commit,
 )
+from pipelines.trial_context import TRIAL_NAME_TAG  # noqa: E402
 
 __all__ = ["build_report", "comparison_table", "format_metric", "format_relative", "load_rows"]
 
@@ -55,7 +56,7 @@ def plot_comparison(rows: list[TrialRow], path: Path) -> None:
     names = [r.name for r in finished]
     panels = (
         ("Train time (s)", "train_time_s", 1.0),
-        ("Peak train memory (MiB)", "peak_train_memory_bytes", 1 / MB),
+        ("Peak train memory (MiB)", "peak_train_memory_bytes", 1 / MIB),
         (quality.axis_label, quality.metric, quality.scale),  # BLEU is on its own 0-100 scale, a share is not
     )
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 0.6 * len(names) + 2.2))
@@ -159,7 +160,7 @@ def plot_tradeoff(rows: list[TrialRow], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.6))
     times = [r.metrics.get("train_time_s", 0.0) for r in finished]
     accuracy = [quality.scale * r.metrics[quality.metric] for r in finished]
-    memory = [r.metrics.get("peak_train_memory_bytes", 0.0) / MB for r in finished]
+    memory = [r.metrics.get("peak_train_memory_bytes", 0.0) / MIB for r in finished]
     largest = max(memory, default=1.0) or 1.0
     colors = plt.cm.tab10.colors
     for i, row in enumerate(finished):
@@ -341,7 +342,9 @@ def build_report(
     """Write report.md, report.html and the PNGs into `out_dir`; return the markdown. `last_commit` (the best
     trial's run id of the commit this run started from, and the commit) is the baseline of a one-variant run;
     `confusion`: the evaluate stage's (actual, predicted) pairs, drawn as a confusion matrix."""
+    # Each trial by its name (TRIAL_NAME_TAG): the default variant's says what the experiment changed, not `default`.
     rows = load_rows(client, experiment_id, parent_run_id)
+    rows = [replace(r, name=r.tags.get(TRIAL_NAME_TAG, r.name)) for r in rows]
     if last_commit is not None:
         rows = with_last_commit(client, rows, *last_commit)
     plot_comparison(rows, out_dir / "comparison.png")

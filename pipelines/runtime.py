@@ -222,7 +222,8 @@ def gpus_for_every_worker(params: Params) -> bool:
 
 
 def _check_worker_gpus(params: Params) -> None:
-    """Reject `use_gpu: true` with more workers than local GPUs (null use_gpu follows CUDA; see resolve_use_gpu)."""
+    """Reject `use_gpu: true` with more workers than local GPUs (null use_gpu follows CUDA; see
+    `pipelines.trials.resources.workers_use_gpu`)."""
     wanted = params.distributed.num_workers
     if wanted < 2 or not params.distributed.use_gpu or gpus_for_every_worker(params):
         return

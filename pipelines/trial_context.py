@@ -16,6 +16,9 @@ FINAL_KEY = "final"
 REPEAT_KEY = "repeat"
 # The run tag holding the variant's position in tune.variants.
 VARIANT_ORDER_TAG = "variant_order"
+# The run tag holding a trial's name in the report: its variant, or for the default variant what the experiment's
+# params.yaml changed from the baseline commit's (`optim=adafactor`), as `dvc exp show`'s `changed` column says it.
+TRIAL_NAME_TAG = "trial_name"
 # The run tag holding the task's quality columns (`Task.quality`, as JSON): the report reads them from the runs, so
 # it imports no task code (nor torch).
 QUALITY_TAG = "quality_columns"
@@ -40,6 +43,7 @@ class TrialContext:
     progress_bars: bool = False  # the driver's stdout is a terminal: draw a bar per trial
     card_sharing: dict[str, int] = field(default_factory=dict)  # variant -> trials to a card (gpu: auto), else none
     experiment_name: str = ""  # the DVC experiment's name (DVC_EXP_NAME), which each trial's run name ends with
+    changed: str = ""  # what params.yaml changed from the baseline commit's (pipelines.baseline.changed_params)
 
     @property
     def fallback_dir(self) -> Path:

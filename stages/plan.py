@@ -1,9 +1,11 @@
 """`python -m stages.plan [--target CARD ...]`: every variant's predicted training memory on each target, before
 any training (seconds; no GPU needed).
 
-Targets: the `--target` names given (cpu or GPU profiles), else `target_device`, else the card `memory_budget`
-names, else where a run here would train. Prints a table per target (predicted peak, the card's reserve, fits,
-the fastest configuration that fits) and writes `metrics/plan.json`. Needs the tokenize stage's output.
+Targets: the `--target` names given (cpu, GPU profiles, or several GPUs of one: `8xA100-80GB`, `2x8xH100-80GB`),
+else `target_device`, else the card `memory_budget` names, else where a run here would train. Prints a table per
+target (predicted peak, the card's reserve, fits, the fastest configuration that fits; for several GPUs, per GPU for
+each adapter, checkpointing and strategy, with host RAM, the largest batch and the step time with its collectives)
+and writes `metrics/plan.json`. Needs the tokenize stage's output.
 """
 
 from __future__ import annotations
@@ -35,16 +37,29 @@ def _targets(params: Params, named: list[str]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m stages.plan", description=description(__doc__))
-    parser.add_argument("--target", action="append", default=[], help="cpu or a GPU profile (repeatable)")
+    parser.add_argument("--target", action="append", default=[],
+                        help="cpu, a GPU profile, or GPUs of one: 8xA100-80GB, 2x8xH100-80GB (repeatable)")  # fmt: skip
     args = parser.parse_args()
     params = load_params()
+    from pipelines.resolve.cluster import cluster_named
+    from pipelines.resolve.cluster_report import cluster_json, cluster_table, plan_clusters
     from pipelines.resolve.plan_report import plan_targets, target_table
     from pipelines.resolve.target import target_named
 
-    targets = [target_named(name) for name in _targets(params, args.target)]
-    plans = plan_targets(params, resolve_repo_root(), TOKENIZED, targets)
-    print("\n\n".join(target_table(name, entries) for name, entries in plans.items()))
-    atomic_write_json(METRICS, {name: {v: e.as_json() for v, e in entries.items()} for name, entries in plans.items()})
+    names = _targets(params, args.target)
+    clusters = {name: cluster_named(name) for name in names}  # a bad name is refused here, naming the forms
+    targets = [target_named(name) for name, cluster in clusters.items() if cluster is None]
+    plans = plan_targets(params, resolve_repo_root(), TOKENIZED, targets) if targets else {}
+    several = plan_clusters(params, resolve_repo_root(), TOKENIZED, [c for c in clusters.values() if c is not None])
+    print(
+        "\n\n".join(
+            [target_table(name, entries) for name, entries in plans.items()]
+            + [cluster_table(v, plan) for entries in several.values() for v, plan in entries.items()]
+        )
+    )
+    written = {name: {v: e.as_json() for v, e in entries.items()} for name, entries in plans.items()}
+    written |= {name: {v: cluster_json(plan) for v, plan in entries.items()} for name, entries in several.items()}
+    atomic_write_json(METRICS, written)
     print(f"\nwritten: {METRICS}")
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 from pathlib import Path
+from typing import Any
 
-from pipelines.atomic import atomic_dir, atomic_write_json
+from pipelines.atomic import StagedDir, atomic_write_json, refuse_unwritable, staged_dir
 from pipelines.errors import run_cli
 from pipelines.params import Params, load_params, resolve_repo_root
 from pipelines.stage_help import stage_parser
@@ -17,6 +19,9 @@ TOKENIZE_METRICS = Path("metrics/tokenize.json")
 OUT_DIR = Path("models")
 METRICS = Path("metrics/train.json")
 PLOT = Path("plots/train_loss.json")
+# Written by the trials as they train (the resume points): an unwritable one fails the first checkpoint.
+CHECKPOINTS = Path("checkpoints")
+OUTPUTS = (OUT_DIR, METRICS, PLOT, CHECKPOINTS)  # dvc.yaml's outs and plots of the stage, and its checkpoints
 
 
 def arguments() -> argparse.Namespace:
@@ -58,24 +63,38 @@ def main() -> None:
     if args.resume_upload:
         resume_upload(params)
         return
+    from pipelines.trials.interruption import interrupt_when_parent_ends
+
+    # `dvc` ignores SIGINT while its stage runs, and ended (SIGTERM, SIGKILL) left the stage training on, orphaned.
+    interrupt_when_parent_ends()
     claim_workspace("train")  # refused while another pipeline runs in this workspace
+    refuse_unwritable(OUTPUTS, "train")  # else found only after all of training, when they are put in place
     trained = params_now()  # the train keys' values as just loaded: the evaluate and report stages check them
     from pipelines.runtime import check_runtime
     from pipelines.tracking.status import runs_page_line
-    from pipelines.trials.tuning import BEST_DIR, best_trial_metrics, run_tuning, tokenize_metrics
+    from pipelines.trials.tuning import run_tuning, tokenize_metrics
 
     check_runtime(params)
     stats = tokenize_metrics(json.loads(TOKENIZE_METRICS.read_text()))
-    with atomic_dir(OUT_DIR) as tmp:
-        summary = run_tuning(params, resolve_repo_root(), TOKENIZED, tmp, stats)
-        keep_earlier_unsent(summary["tracking_uri"], tmp)
-        record_trained(tmp, trained)
+    with staged_dir(OUT_DIR) as staged:
+        publish = partial(publish_outputs, staged, trained)
+        summary = run_tuning(params, resolve_repo_root(), TOKENIZED, staged.path, stats, publish)
+    print(runs_page_line(summary["tracking_uri"], summary["experiment_id"]), flush=True)
+
+
+def publish_outputs(staged: StagedDir, trained: dict[str, Any], summary: dict[str, Any]) -> None:
+    """Put the stage's outputs in place: models/ (carrying the earlier unsent, saying what it was trained with), then
+    the metrics and the curve. Before the best model is registered and the parent run closed (`run_tuning`)."""
+    from pipelines.trials.tuning import BEST_DIR, best_trial_metrics
+
+    keep_earlier_unsent(summary["tracking_uri"], staged.path)
+    record_trained(staged.path, trained)
+    staged.put_in_place()
     # After models/ is in place (it says what it was trained with, and keeps its pending uploads), before the
     # metrics: if params.yaml changed meanwhile, DVC would record them beside the new values.
     refuse_changed_while_training(trained, "train")
     atomic_write_json(METRICS, best_trial_metrics(summary))
     atomic_write_json(PLOT, json.loads((OUT_DIR / BEST_DIR / "history.json").read_text()))
-    print(runs_page_line(summary["tracking_uri"], summary["experiment_id"]), flush=True)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, PlainValidator
 from pydantic_core import PydanticCustomError
 
-from pipelines.gpu_profiles import GPU_PROFILES
+from pipelines.gpu_profiles import CLUSTER_FORMS, GPU_PROFILES, parse_cluster
 from pipelines.optimizer_registry import OPTIMIZERS
 from pipelines.task_registry import TASKS
 
@@ -84,10 +84,12 @@ MemoryBudget = Annotated[int | str | None, PlainValidator(_budget, json_schema_i
 
 
 def _target_device(value: Any) -> str:
-    if value in ("auto", "cpu") or value in GPU_PROFILES:
+    if value in ("auto", "cpu") or value in GPU_PROFILES or (isinstance(value, str) and parse_cluster(value)):
         return value
     raise PydanticCustomError(
-        "target_device", "must be auto, cpu or a GPU profile: {cards}", {"cards": ", ".join(GPU_PROFILES)}
+        "target_device",
+        "must be auto, cpu, a GPU profile ({cards}), or several GPUs of one: {forms}",
+        {"cards": ", ".join(GPU_PROFILES), "forms": CLUSTER_FORMS},
     )
 
 

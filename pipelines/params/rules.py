@@ -30,6 +30,47 @@ def _one_of_prompt_and_response(p: Params) -> bool:
     )
 
 
+def _fsdp(p: Params) -> bool:
+    return p.distributed.strategy == "fsdp"
+
+
+# What cannot combine with `distributed.strategy: fsdp` (FSDP2 `fully_shard`, pipelines/train/parallel.py), in one
+# place: the parallelizing steps never branch on these. A chunked loss is refused above (loss_impl).
+FSDP_RULES: tuple[Rule, ...] = (
+    Rule(lambda p: _fsdp(p) and p.optim not in FSDP_OPTIMIZERS,
+         lambda p: f"distributed.strategy: fsdp shards every weight across workers, and optim = {p.optim!r} "
+                   "is not one whose update is known to run on sharded (DTensor) weights (Adafactor factors "
+                   f"whole matrices); use optim: one of {', '.join(FSDP_OPTIMIZERS)} with fsdp, or "
+                   "distributed.strategy: ddp"),
+    # Why not: compile: true compiles the whole step (forward, loss, backward) once per batch shape and bounds its
+    # graphs (pipelines/train/compiled_step.py). Under FSDP the step runs through each block's all-gather and
+    # reduce-scatter hooks; torchtitan compiles each block instead, before fully_shard, which is not built here,
+    # so a compiled FSDP step would be unmeasured: no speed or memory figure says it pays.
+    Rule(lambda p: _fsdp(p) and p.compile is True,
+         lambda p: "distributed.strategy: fsdp with compile: true: compile here compiles the whole step as one "
+                   "graph per batch shape, and a sharded step gathers and reduces each block's weights in hooks "
+                   "between the blocks; compiling each block under FSDP is not built (nor measured) yet. Use "
+                   "compile: false or auto (auto trains eager under fsdp), or distributed.strategy: ddp to compile"),
+    # Why not yet: FSDP2 turns bitsandbytes' Params4bit into plain tensors and can lose their quantization state
+    # (bitsandbytes #1945, axolotl #2992, accelerate #3983, open). The engine shards QLoRA with a bf16 storage dtype
+    # (adapters.quantization_config), but tests/gpu/test_fsdp_nccl.py, which compares its gradients with one
+    # process's, has not run on two GPUs yet: until it has, a QLoRA run under FSDP could train to garbage unnoticed.
+    Rule(lambda p: _fsdp(p) and p.adapter.type == "qlora",
+         lambda p: "distributed.strategy: fsdp with adapter.type: qlora is not verified yet: FSDP2 can lose "
+                   "bitsandbytes' 4-bit quantization state (bitsandbytes #1945), and the two-GPU check of its "
+                   "gradients (tests/gpu/test_fsdp_nccl.py) has not run; use adapter.type: lora with fsdp, or "
+                   "qlora with distributed.strategy: ddp"),
+    Rule(lambda p: not _fsdp(p) and p.distributed.cpu_offload,
+         lambda p: f"distributed.cpu_offload: true offloads FSDP's weight shards to host memory; with "
+                   f"distributed.strategy: {p.distributed.strategy} there are no shards: set "
+                   "distributed.strategy: fsdp, or distributed.cpu_offload: false"),
+    Rule(lambda p: not _fsdp(p) and not p.distributed.reshard_after_forward,
+         lambda p: f"distributed.reshard_after_forward: false keeps FSDP's gathered blocks from forward to "
+                   f"backward; with distributed.strategy: {p.distributed.strategy} nothing is gathered: set "
+                   "distributed.strategy: fsdp, or distributed.reshard_after_forward: true"),
+)  # fmt: skip
+
+
 RULES: tuple[Rule, ...] = (
     Rule(lambda p: p.batch_size == "auto" and p.effective_batch_size is None,
          lambda p: "batch_size: auto needs effective_batch_size (the rows per optimizer step to keep)"),
@@ -99,16 +140,7 @@ RULES: tuple[Rule, ...] = (
     Rule(lambda p: p.distributed.num_workers > 1 and p.lr == "auto",
          lambda p: "lr: auto runs its range test in one process; with distributed.num_workers > 1 set lr "
                    "explicitly (run the test once with num_workers: 1, then use the lr_found it logs)"),
-    # What FSDP2 sharding supports here: elementwise optimizers, full fine-tuning, eager mode.
-    Rule(lambda p: p.distributed.strategy == "fsdp" and p.optim not in FSDP_OPTIMIZERS,
-         lambda p: f"distributed.strategy: fsdp shards every weight across workers, and optim = {p.optim!r} "
-                   f"does not run on sharded weights (Adafactor factors whole matrices); allowed with fsdp: "
-                   f"{', '.join(FSDP_OPTIMIZERS)}"),
-    Rule(lambda p: p.distributed.strategy == "fsdp" and p.adapter.type != "none",
-         lambda p: f"distributed.strategy: fsdp with adapter.type = {p.adapter.type!r} is not supported: an "
-                   "adapter's trainable weights are small, so use distributed.strategy: ddp"),
-    Rule(lambda p: p.distributed.strategy == "fsdp" and p.compile is True,
-         lambda p: "distributed.strategy: fsdp with compile: true is not supported yet; use compile: false"),
+    *FSDP_RULES,
     Rule(lambda p: p.distributed.num_workers > 1 and p.batch_size == "auto",
          lambda p: "batch_size: auto probes one process's memory; with distributed.num_workers > 1 set "
                    "batch_size (per worker) explicitly"),

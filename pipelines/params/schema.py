@@ -111,7 +111,9 @@ class Params(StrictModel):
     target_device: TargetDevice = Field(
         description="The device the memory plan models: auto (where the run trains), cpu, or a GPU profile "
         "(H100-80GB, H200, A100-40GB, A100-80GB, L4, A10G, T4, RTX4090) to plan a CUDA run from any machine "
-        "(`python -m stages.plan`); a trial's own plan models where it trains."
+        "(`python -m stages.plan`), or several GPUs of one: <gpus>x<card> (8xA100-80GB) or <nodes>x<gpus>x<card> "
+        "(2x8xH100-80GB), planned per GPU for DDP and FSDP with their collectives; a trial's own plan models where "
+        "it trains."
     )
     num_workers: NonNegativeInt = Field(description="DataLoader worker processes.")
     persistent_workers: bool = Field(

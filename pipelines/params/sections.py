@@ -179,7 +179,7 @@ class EvalParams(StrictModel):
 
 
 class DistributedParams(StrictModel):
-    """Data-parallel training inside each trial (Ray Train workers, DDP)."""
+    """Data-parallel training inside each trial (Ray Train workers, DDP or FSDP2)."""
 
     num_workers: PositiveInt = Field(
         description="Ray Train workers per trial (DDP: gloo on CPU, NCCL on GPUs); 1: the trial trains in its own "
@@ -189,7 +189,18 @@ class DistributedParams(StrictModel):
     strategy: Literal["ddp", "fsdp"] = Field(
         description="ddp: every worker holds the whole model and its optimizer state; fsdp: FSDP2 (fully_shard) "
         "shards weights, gradients and optimizer state across the workers, per transformer block (for models "
-        "that outgrow one device). Only with num_workers > 1."
+        "that outgrow one device), LoRA included (the frozen base sharded in the compute dtype; QLoRA not yet). Only "
+        "with num_workers > 1."
+    )
+    reshard_after_forward: bool = Field(
+        description="fsdp: free each block's gathered weights after its forward and gather them again for its "
+        "backward (true: less memory), or keep them until the backward (false: one all-gather fewer per block, "
+        "the whole unsharded model alive between forward and backward)."
+    )
+    cpu_offload: bool = Field(
+        description="fsdp: keep the weight shards, their gradients and the optimizer step in host memory "
+        "(FSDP2's CPUOffloadPolicy), copying each block to the GPU as it runs: the least GPU memory, the "
+        "slowest step. On device: cpu everything is in host memory already (no change)."
     )
 
 

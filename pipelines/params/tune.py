@@ -69,7 +69,8 @@ class ResourcesParams(StrictModel):
         description="GPUs per trial (fractions share a GPU). auto: where the Ray cluster has GPUs, each trial the "
         "share of one card its variant's memory plan needs (planned peak + the process's reserve; at most "
         "max_concurrent_trials to a card; a whole card when it cannot share; refused when it does not fit), else 0. "
-        "null: 1 with CUDA, else 0."
+        "null: 1 with CUDA, else 0. With distributed.num_workers > 1, per worker: a number as declared (it stands "
+        "where the workers train on the CPU); auto or null: 1 with distributed.use_gpu, else 0."
     )
 
 

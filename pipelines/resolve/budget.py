@@ -25,7 +25,9 @@ on, else against plain fp32: 14.8x on an H100); on a CPU bf16 counts 2x where it
 ~2x measured in our CPU bench) and 1/17 where it is emulated (a MiniLM step took 17x as long on an AVX2 host).
 Ties go to the larger micro-batch (fewer, fuller kernels), then to the fewest changes from the params as written.
 Leaner checkpointing is planned only while the setting before it does not fit at the full micro-batch (it
-only adds recompute FLOPs), and the leanest plans (the refusal) only when the fastest candidate does not fit.
+only adds recompute FLOPs), and the leanest plans (the refusal) only when the fastest candidate does not fit. A
+candidate whose weights alone are over the budget, by a plan of the same adapter in as narrow a precision, is not
+planned (the weights do not depend on the optimizer, micro-batch or checkpointing).
 
 The search runs for a `PlanTarget` (pipelines.resolve.target): where the trial trains, or a named card from any
 machine (`python -m stages.plan`); 8-bit AdamW is offered on a card (planned by rule) when bitsandbytes is
@@ -204,8 +206,9 @@ def choose_strategy(
     plan = memoized(plan)
     assert budget is not None, "strategy: auto needs memory_budget (the schema says so)"
     tiers = _tiers(params, target, lora_allowed, planning)
+    weights: WeightFloors = {}
     for tier, changes in enumerate(tiers):
-        fits = _fits_in_tier(params, changes, plan, target, budget)
+        fits = _fits_in_tier(params, changes, plan, target, budget, weights)
         if fits:
             seconds, _, _, chosen, predicted = min(fits, key=lambda fit: fit[:3])
             changed = ", ".join(changed_settings(params, chosen)) or "nothing changed"
@@ -270,9 +273,22 @@ def _what_would_fit(leanest: Params) -> str:
     )
 
 
+# Bytes per weight a precision stores at most: a plan's weights in fp32 are at least its weights in 16 bits.
+_WIDTH = {"fp32": 4, "bf16": 2, "fp16": 2}
+WeightFloors = dict[tuple[str, int], int]  # (adapter type, precision's width): the fewest weight bytes planned
+
+
+def _weights_over(weights: WeightFloors, adapter: str, precision: str, budget: int) -> bool:
+    """Whether a plan of this adapter in this precision holds more weight bytes than `budget`, by a plan made: its
+    weights do not depend on the optimizer, the micro-batch or checkpointing, and never shrink in a wider precision
+    (an 8B-shaped base in 16 bits is over a T4 whatever else changes: 1 plan a tier, not 3 per candidate)."""
+    return any(a == adapter and w <= _WIDTH.get(precision, 4) and n > budget for (a, w), n in weights.items())
+
+
 def _fits_in_tier(
-    params: Params, changes: list[dict[str, object]], plan: Planner, target: PlanTarget, budget: int
-) -> list[tuple[float, int, int, Params, MemoryPlan]]:
+    params: Params, changes: list[dict[str, object]], plan: Planner, target: PlanTarget, budget: int,
+    weights: WeightFloors,
+) -> list[tuple[float, int, int, Params, MemoryPlan]]:  # fmt: skip
     """Every candidate of a tier that fits, as (predicted seconds, accumulation, changes, params, plan).
 
     Checkpointing settings are tried fastest first, and the leaner ones only while the one before did not fit
@@ -295,11 +311,16 @@ def _fits_in_tier(
             if fits and floor is not None and floor > _fastest_s(fits):
                 continue
             fastest = _candidate(params, change, precision, options[0])
+            adapter = fastest.adapter.type
+            if _weights_over(weights, adapter, precision, budget):
+                continue  # its weights alone are over, at any micro-batch, checkpointing or optimizer
             whole = plan(apply_overrides(fastest, _batch(fastest, effective_batch(fastest))))
             fewest_flops = fewest_flops or whole
-            if (
-                whole.peak > budget
-                and min(_one_row(params, change, precision, o, plan) for o in (options[-1], options[0])) > budget
+            key = (adapter, _WIDTH.get(precision, 4))
+            weights[key] = min(weights.get(key, whole.parameters), whole.parameters)
+            if whole.peak > budget and (
+                whole.parameters + whole.optimizer_state > budget  # held at every step, whatever the micro-batch
+                or min(_one_row(params, change, precision, o, plan) for o in (options[-1], options[0])) > budget
             ):
                 continue  # nothing of this precision fits, at any micro-batch or checkpointing
             for checkpointing in options:

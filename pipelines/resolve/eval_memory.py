@@ -10,6 +10,11 @@ of its largest batch (`Task.generation_probe`: prefill, then the last step with 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import TypeVar
+
 import numpy as np
 import torch
 from torch import nn
@@ -21,6 +26,52 @@ from pipelines.params import Params
 from pipelines.runtime import Runtime, eval_mode
 from pipelines.tasks.base import GenerationProbe, Task
 from pipelines.train.memory import restart_peak, track_step
+
+T = TypeVar("T")
+# The planner's store of evaluation peaks and the depth being traced (`shared_evaluations`), or None: no reuse.
+_SHARED: ContextVar[tuple[dict[tuple[object, ...], object], object] | None] = ContextVar("evaluations", default=None)
+
+
+@contextmanager
+def shared_evaluations(store: dict[tuple[object, ...], object], depth: object) -> Iterator[None]:
+    """Within it, `reused` keeps each evaluation peak in `store` for the fake steps at `depth` blocks that share what
+    that evaluation reads (one planner: one task, training split, tokenizer and target)."""
+    token = _SHARED.set((store, depth))
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+def evaluation_key(kind: str, params: Params) -> str:
+    """Everything of `params` the `kind` ("validation" or "generation") evaluation reads, as JSON.
+
+    What is left out, and why it cannot change the evaluation: the budget and the search's mode (they only judge a
+    plan), `adapter.merge` (it only saves the model), the split of the effective batch into micro-batch x
+    accumulation (both evaluations size their batch by `eval_batch_rows`, the product; kept when compiled, whose
+    runtime pads by the micro-batch), and for generation the optimizer (generation tracks the weights beside an
+    idle optimizer of its own; the trial's is not tracked). Checkpointing and activation offload stay in: they
+    change the model's layers, and generation's last step measured 6 MiB apart with and without on an 8B shape."""
+    update: dict[str, object] = {"memory_budget": None, "strategy": "manual",
+                                 "adapter": params.adapter.model_copy(update={"merge": True})}  # fmt: skip
+    if params.compile is not True and isinstance(params.batch_size, int):
+        update |= {"batch_size": eval_batch_rows(params), "grad_accum_steps": 1, "effective_batch_size": None}
+    if kind == "generation":
+        update["optim"] = "adamw"
+    return params.model_copy(update=update).model_dump_json()
+
+
+def reused(kind: str, params: Params, evaluate: Callable[[], T]) -> T:
+    """`evaluate()`, once per `evaluation_key` and depth inside `shared_evaluations` (a search plans many candidates
+    that differ only in what the evaluation does not read); every time outside it."""
+    shared = _SHARED.get()
+    if shared is None:
+        return evaluate()
+    store, depth = shared
+    key = (kind, depth, evaluation_key(kind, params))
+    if key not in store:
+        store[key] = evaluate()
+    return store[key]  # type: ignore[return-value]
 
 
 def largest_eval_batch(split: TokenizedSplit, params: Params, task: Task, runtime: Runtime) -> dict[str, torch.Tensor]:

@@ -40,9 +40,15 @@ from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.params import Params
 from pipelines.repeats import counted_repeats
-from pipelines.resolve.counted_step import marking_recompute, phased, track_counting_flops, window_kernels
+from pipelines.resolve.counted_step import (
+    PhasedStep,
+    ShardedTimeline,
+    marking_recompute,
+    track_counting_flops,
+    window_kernels,
+)
 from pipelines.resolve.cuda_plan import cuda_graph_pool
-from pipelines.resolve.eval_memory import generation_peaks, largest_eval_batch, validation_peak
+from pipelines.resolve.eval_memory import generation_peaks, largest_eval_batch, reused, validation_peak
 from pipelines.resolve.qlora_plan import EightBitAdamWPlan, as_qlora
 from pipelines.resolve.target import CPU_TARGET, PlanTarget
 from pipelines.runtime import ResolvedPrecision, Runtime, resolve_pad_multiple
@@ -98,6 +104,7 @@ class MemoryPlan:
     micro_batches: int = 1  # micro-batches in the planned window
     mean_positions: float = 0.0  # positions of the epoch's average window (the planned one is the longest)
     cuda_graph_pool: int = 0  # a compiled CUDA step's graph pool, in `peak` (resolve/cuda_plan.cuda_graph_pool)
+    peak_gradients: int = 0  # gradients alive at the peak: fewer than `gradients` when it comes mid-backward
 
     def as_metrics(self) -> dict[str, float]:
         """MLflow names: `predicted_*`, beside the measured `peak_train_memory_bytes` and its breakdown."""
@@ -120,28 +127,39 @@ class MemoryPlan:
         """Model FLOPs (no recompute) per (padded) position of the planned window: scales a run's FLOPs by positions."""
         return self.model_flops / max(self.positions, 1)
 
-    def sharded(self, workers: int, gathered: int) -> MemoryPlan:
-        """One FSDP worker's plan: weights, gradients and optimizer state divided by `workers`, plus the
-        `gathered` bytes held whole at a time (the root's weights and one block's, with its gradient)."""
-        resident = self.parameters + self.gradients + self.optimizer_state
+    def sharded(self, workers: int, timeline: ShardedTimeline) -> MemoryPlan:
+        """One FSDP worker's plan: weights, gradients and optimizer state divided by `workers`, its peak the highest
+        point of the step's `timeline` (counted_step.ShardedTimeline: the gathered units added while they are)."""
         return replace(
             self,
-            peak=self.peak - resident + resident // workers + gathered,
+            peak=timeline.peak + self.cuda_graph_pool,
             parameters=self.parameters // workers,
             trainable_parameters=self.trainable_parameters // workers,
             gradients=self.gradients // workers,
             optimizer_state=self.optimizer_state // workers,
+            peak_gradients=timeline.gradients,
         )
 
 
-def fsdp_gathered_bytes(model: nn.Module) -> int:
+def fsdp_gathered_bytes(model: nn.Module, compute_bytes: int = 4) -> int:
     """What an FSDP worker holds unsharded at once: the root unit's weights (embeddings, head: gathered for the
-    whole step) and the largest block's weights and gradient (gathered, then reduce-scattered)."""
+    whole step) and, of the largest block, two gathered copies (the running block and the next, prefetched) and one
+    gradient (the reduce-scatter input of the block before, which FSDP2 holds until the next reduce-scatter);
+    measured on 2 and 4 gloo ranks (tests/pipelines/test_plan_multiprocess.py). Trainable weights are gathered in the
+    compute dtype (`compute_bytes`: FSDP's MixedPrecisionPolicy) and reduced in fp32, as `sharding_plan.ModelUnits`
+    counts them."""
     units = sharding_units(model)
     in_units = {id(p) for unit in units for p in unit.parameters()}
-    root = sum(_nbytes([p]) for p in model.parameters() if id(p) not in in_units)
-    largest = max((_nbytes(list(unit.parameters())) for unit in units), default=0)
-    return root + 2 * largest
+
+    def gathered(params: list[nn.Parameter]) -> int:
+        return sum(p.numel() * (compute_bytes if p.requires_grad else p.element_size()) for p in params)
+
+    def gradient(params: list[nn.Parameter]) -> int:
+        return sum(p.numel() * (4 if compute_bytes < 4 else p.element_size()) for p in params if p.requires_grad)
+
+    root = gathered([p for p in model.parameters() if id(p) not in in_units])
+    block = max((list(unit.parameters()) for unit in units), key=gathered, default=[])
+    return root + 2 * gathered(block) + gradient(block)
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
@@ -202,10 +220,15 @@ def _evaluation_peaks(
     step: TrainStep, eval_batch: dict[str, torch.Tensor], train: TokenizedSplit, params: Params
 ) -> tuple[int, tuple[int, int]]:
     """Validation's largest scoring batch beside the optimizer state, and the evaluate stage's generation (its
-    prefill's peak and its last step's)."""
-    validation = validation_peak(step.model, step.optimizer, eval_batch, step.runtime, step.task)
-    probe = step.task.generation_probe(train, params)
-    return validation, (0, 0) if probe is None else generation_peaks(step.model, probe, step.runtime)
+    prefill's peak and its last step's), each made once per planner for what it reads (`eval_memory.reused`)."""
+    validation = reused("validation", params, lambda: validation_peak(step.model, step.optimizer, eval_batch,
+                                                                      step.runtime, step.task))  # fmt: skip
+
+    def generation() -> tuple[int, int]:
+        probe = step.task.generation_probe(train, params)
+        return (0, 0) if probe is None else generation_peaks(step.model, probe, step.runtime)
+
+    return validation, reused("generation", params, generation)
 
 
 def _all_fake(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
@@ -330,10 +353,13 @@ def plan_memory(
         # card's trial keeps torch's dropout, which the card's rules plan as CUDA's fused one.
         cpu_dropout = params.fast_dropout and params.compile is not True and target.card is None
         kernels = KernelCounter()
+        workers = params.distributed.num_workers if params.distributed.strategy == "fsdp" else 1
+        compute = 2 if precision in ("bf16", "fp16") else 4
+        timeline = ShardedTimeline(workers, fsdp_gathered_bytes(model, compute), kernels) if workers > 1 else None
         with fast_dropout(model) if cpu_dropout else nullcontext(), target.rules():
-            counted = phased(train_step, batches, units, kernels)
+            counted = PhasedStep(train_step, batches, units, kernels, timeline)
             peak, step_flops, model_flops = track_counting_flops(counted, model, optimizer, params.grad_checkpointing,
-                                                                  scale, kernels)  # fmt: skip
+                                                                  scale)  # fmt: skip
         state = [v for kept in optimizer.state.values() for v in kept.values() if isinstance(v, torch.Tensor)]
         state = [v for v in state if v.numel() > 1]  # as the trial counts: moments and factors, not scalar steps
         with target.rules(), counted_repeats():  # memory only: nothing here is counted
@@ -358,8 +384,6 @@ def plan_memory(
         target=target.name,
         step_kernels=window_kernels(kernels, len(window), len(batches)),
         update_kernels=kernels.count("update", step=1),
-        micro_batches=len(window), mean_positions=mean_positions, cuda_graph_pool=pool,
+        micro_batches=len(window), mean_positions=mean_positions, cuda_graph_pool=pool, peak_gradients=peak.gradients,
     )  # fmt: skip
-    if params.distributed.strategy == "fsdp" and params.distributed.num_workers > 1:
-        return plan.sharded(params.distributed.num_workers, fsdp_gathered_bytes(model))
-    return plan
+    return plan if timeline is None else plan.sharded(workers, timeline)

@@ -26,7 +26,7 @@ from pipelines.resolve.memory_plan import MemoryPlan
 WHOLE_UP_TO = 8  # blocks: planned whole, as before (a shallow model's plan is quick anyway)
 # Figures that grow with the blocks; the rest describe the batch or the target and are the same at any depth.
 PER_BLOCK = ("peak", "parameters", "trainable_parameters", "gradients", "optimizer_state", "activations",
-             "step_flops", "model_flops", "eval_peak", "step_kernels", "update_kernels")  # fmt: skip
+             "step_flops", "model_flops", "eval_peak", "step_kernels", "update_kernels", "peak_gradients")  # fmt: skip
 ALLOCATION_BLOCK = 512  # a card's allocations round to 512 bytes (resolve/cuda_plan): so does the extrapolated peak
 
 

@@ -21,8 +21,10 @@ from pipelines.errors import UserError
 from pipelines.params import Params
 from pipelines.resolve.batch_size import CPU_MEMORY_SHARE
 from pipelines.resolve.budget import Planner, describe, fit_to_budget, largest_fitting_batch
+from pipelines.resolve.eval_memory import shared_evaluations
 from pipelines.resolve.memory_plan import MemoryPlan, PlanUnavailable, plan_memory
 from pipelines.resolve.plan_depth import plan_by_depth
+from pipelines.resolve.qlora_plan import qlora_from_lora
 from pipelines.resolve.target import PlanTarget, as_target
 from pipelines.tasks.base import Task
 
@@ -48,21 +50,40 @@ def trial_planner(
     where: PlanTarget | torch.device,
 ) -> Planner:  # fmt: skip
     """Plans of params for this task and training split on a target (or where a device is); the global RNG is left
-    as it was."""
+    as it was. Each fake step is traced once per planner (`traced`): a QLoRA candidate reuses its LoRA trace."""
     target = as_target(where)
+    traces: dict[tuple[str, int | None], MemoryPlan] = {}
+    evaluations: dict[tuple[object, ...], object] = {}  # evaluation peaks, shared by traces that read the same
+
+    def traced(params: Params, layers: int | None) -> MemoryPlan:
+        """The fake step of `params` at `layers` blocks, once: what only judges a plan (the budget, the search's mode)
+        or only saves the model (`adapter.merge`) is not in the key."""
+        judged = params.model_copy(update={"memory_budget": None, "strategy": "manual",
+                                           "adapter": params.adapter.model_copy(update={"merge": True})})  # fmt: skip
+        key = (judged.model_dump_json(), layers)
+        if key not in traces:
+            with shared_evaluations(evaluations, layers):
+                traces[key] = plan_memory(
+                    params,
+                    task,
+                    train,
+                    lambda: task.build_model(params, tokenizer, tokenized, root, weights=False, layers=layers),
+                    lambda model: apply_adapter(model, params.adapter, task, params),
+                    int(tokenizer.pad_token_id),  # type: ignore[arg-type]
+                    target.precision(params),
+                    target,
+                )
+        return traces[key]
 
     def plan(params: Params) -> MemoryPlan:
         def at_depth(layers: int | None) -> MemoryPlan:
-            return plan_memory(
-                params,
-                task,
-                train,
-                lambda: task.build_model(params, tokenizer, tokenized, root, weights=False, layers=layers),
-                lambda model: apply_adapter(model, params.adapter, task, params),
-                int(tokenizer.pad_token_id),  # type: ignore[arg-type]
-                target.precision(params),
-                target,
-            )
+            if params.adapter.type != "qlora":
+                return traced(params, layers)
+            # QLoRA is planned as its LoRA step with the base's bytes swapped by rule (memory_plan._plan_qlora): the
+            # LoRA trace is the one a LoRA candidate of the same settings made (a T4's search plans both).
+            as_lora = params.model_copy(update={"adapter": params.adapter.model_copy(update={"type": "lora"})})
+            build = lambda: task.build_model(params, tokenizer, tokenized, root, weights=False, layers=layers)  # noqa: E731
+            return qlora_from_lora(traced(as_lora, layers), target.precision(params), build)  # type: ignore[return-value]
 
         rng = torch.get_rng_state()
         try:

@@ -19,6 +19,7 @@ kernel per tensor, which allocates nothing beside the state.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -56,7 +57,27 @@ def as_qlora(plan: object, base: nn.Module, compute_bytes: int, stored_bytes: in
     packed = sum(nf4_bytes(layer.weight.numel()) for layer in layers)
     temporary = max((layer.weight.numel() * compute_bytes for layer in layers), default=0)
     saved = full - packed
-    return replace(plan, peak=plan.peak - saved + temporary, parameters=plan.parameters - saved)  # type: ignore[type-var]
+
+    def quantized(peak: int) -> int:  # evaluation holds the same base, quantized alike (0: not planned)
+        return peak - saved + temporary if peak else 0
+
+    evaluation = {  # the evaluation peaks of the unquantized trace, for a plan that has them
+        key: quantized(getattr(plan, key)) for key in ("eval_peak", "generation_peak") if hasattr(plan, key)
+    }
+    if hasattr(plan, "generation_phases"):
+        evaluation["generation_phases"] = tuple(quantized(phase) for phase in plan.generation_phases)  # type: ignore[attr-defined]
+    return replace(plan, peak=plan.peak - saved + temporary, parameters=plan.parameters - saved, **evaluation)  # type: ignore[type-var]
+
+
+def qlora_from_lora(lora: object, precision: str, build_base: Callable[[], nn.Module]) -> object:
+    """QLoRA's plan from its LoRA step's plan `lora` (as `memory_plan._plan_qlora` makes it, the trace given): the
+    base built on fake tensors for its layers' sizes, its frozen weights stored as the LoRA plan stored them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        base = build_base()
+    # bf16 compute (fp16 with precision: fp16): 2 bytes either way; the LoRA plan stored the frozen weights so too.
+    return as_qlora(lora, base, compute_bytes=2, stored_bytes=2 if precision in ("bf16", "fp16") else 4)
 
 
 EIGHT_BIT_BLOCK = 256  # weights per absmax of each 8-bit moment

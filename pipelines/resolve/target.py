@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pipelines.errors import UserError
-from pipelines.gpu_profiles import GPU_PROFILES, GpuProfile, gpu_profile, profile_for_device
+from pipelines.gpu_profiles import GPU_PROFILES, GpuProfile, gpu_profile, parse_cluster, profile_for_device
 from pipelines.params import Params
 from pipelines.resolve.cuda_plan import (
     CudaAttention,
@@ -100,9 +100,13 @@ CPU_TARGET = PlanTarget()
 
 
 def target_named(name: str) -> PlanTarget:
-    """`cpu` or a GPU profile's name (unknown names are refused listing the known ones)."""
+    """`cpu` or a GPU profile's name (unknown names are refused listing the known ones); a cluster's name
+    (`8xA100-80GB`, `pipelines.resolve.cluster`) is the card each of its workers trains on."""
     if name == "cpu":
         return CPU_TARGET
+    cluster = parse_cluster(name)
+    if cluster is not None:
+        return PlanTarget(gpu_profile(cluster[2]))
     try:
         return PlanTarget(gpu_profile(name))
     except ValueError as err:

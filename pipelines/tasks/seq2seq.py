@@ -256,6 +256,9 @@ def translate(
                              max_new_tokens=params.eval.max_new_tokens, num_beams=params.eval.num_beams,
                              do_sample=False, pad_token_id=tokenizer.pad_token_id,
                              eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+        # Counted as each batch is generated: score_batches returns after the last batch, and counting its list
+        # then put the first line at the end, one batch done in the whole time (30m44s "left" for a finished job).
+        progress.advance(len(out))
         return out, batch["row_index"].tolist()
 
     answers = [""] * len(split)
@@ -263,7 +266,6 @@ def translate(
     for out, rows in score_batches(model, split, params, runtime, task, generate):
         for row, index in enumerate(rows):
             answers[index] = answer_text(tokenizer, out[row, 1:].tolist())  # after the decoder's start token
-        progress.advance(len(rows))
     return answers
 
 

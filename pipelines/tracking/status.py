@@ -8,6 +8,8 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from pipelines.gpu_profiles import mib
+
 
 def stopped_tags(scheduler: str) -> dict[str, str]:
     """The tags of a run its scheduler stopped early (ASHA): set by the trial, and again by the driver, which knows
@@ -76,7 +78,7 @@ def training_figures(client: Any, run_id: str) -> dict[str, float | str]:
     logged = run.data.metrics
     figures: dict[str, float | str] = {k: logged[k] for k in ("train_time_s",) if k in logged}
     if "peak_train_memory_bytes" in logged:
-        figures["peak_train_memory_mib"] = round(logged["peak_train_memory_bytes"] / 2**20, 1)
+        figures["peak_train_memory_mib"] = mib(logged["peak_train_memory_bytes"])
     figures.update({k: logged[k] for k in ("samples_per_s", "host_load_per_core", "concurrent_trials") if k in logged})
     tags = run.data.tags
     if "host" in tags:

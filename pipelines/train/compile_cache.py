@@ -11,7 +11,10 @@ leaves it out, and eager and SDPA compile different graphs) and dtypes, what is 
 graphs specialise on them (`graph_shapes`: every width and row count for a static compile; under a dynamic width
 the tensors' names, dtypes and static dims, as one graph serves every width), and the constants baked into a graph
 (dropout p, the loss's projection, precision). The learning rate is not one: it lives in the optimizer, outside the
-graph.
+graph. A model whose code specializes the width (the causal LM's mask helpers) compiles a graph per width even when
+the width is marked dynamic, which the fingerprint cannot know before a compile: a manifest entry lists the shapes
+its compiles compiled, and says whether one showed a graph serving several widths (`one_graph`); only then is a run
+with a width none of them compiled predicted warm (`CompileCache.holds`).
 
 The manifest (`compiled.json`) sits in Inductor's cache folder, so the two are kept or deleted together. A blob
 (`mega/<fingerprint>.bin`, `torch.compiler.save_cache_artifacts`) is written after the first compile of a
@@ -168,11 +171,14 @@ class CompileCache:
         """Where the Mega-Cache blob of `key` is (or would be) kept."""
         return self.folder / BLOBS / f"{key}.bin"
 
-    def holds(self, key: str) -> str | None:
-        """How a compile of `key` would find its graphs: 'cache' (compiled into this folder), 'blob' (a blob to load),
-        or None (cold)."""
-        if key in self.manifest():
-            return "cache"
+    def holds(self, key: str, shapes: Iterable[BatchShapes] | None = None) -> str | None:
+        """How a compile of `key` over the batch `shapes` would find its graphs: 'cache' (compiled into this folder),
+        'blob' (a blob to load), or None (cold). Unless the folder's compiles of `key` showed one graph serving
+        several widths (`covers`), only the shapes they compiled are warm: a run with another is cold (a blob, which
+        holds no more, is not loaded either)."""
+        entry = self.manifest().get(key)
+        if entry is not None:
+            return "cache" if shapes is None or covers(entry, shapes) else None
         return "blob" if self.blob(key).is_file() else None
 
     def load_blob(self, key: str) -> bool:
@@ -199,11 +205,13 @@ class CompileCache:
 
     def add_entry(self, key: str, entry: dict[str, Any]) -> None:
         """Set `key`'s manifest entry, keeping every other's: the read, merge and atomic rewrite run under an
-        inter-process lock, so concurrent writers of other keys are not lost."""
+        inter-process lock, so concurrent writers of other keys are not lost. The shapes compiled add up over the
+        compiles of `key` (`merged`): Inductor's caches keep every one's graphs."""
         self.folder.mkdir(parents=True, exist_ok=True)
         lock = FileLock(self.folder / f"{MANIFEST}.lock", timeout=_LOCK_TIMEOUT_S)
         with lock.acquire(poll_interval=_LOCK_POLL_S):
-            atomic_write_json(self.manifest_path, {**self.manifest(), key: entry})
+            manifest = self.manifest()
+            atomic_write_json(self.manifest_path, {**manifest, key: merged(manifest.get(key), entry)})
 
     def record(self, key: str, entry: dict[str, Any], found: Mapping[str, int]) -> Path | None:
         """After a compile of `key` that `found` this in Inductor's caches (`cache_counters`, their change over the
@@ -216,9 +224,11 @@ class CompileCache:
         rewrites the blob even where one exists: the blob there did not hold these graphs (a loaded blob that missed,
         one from another build), and kept, every fresh folder that loads it would compile cold, predicted warm. The
         blob saved is this process's artifacts so far (torch's Mega-Cache accumulates them), this compile's among
-        them."""
+        them. The entry says whether the compile showed one graph serving several widths (`one_graph`: from its
+        `graphs` and the shapes it `compiled`); where not, a later run with another width is predicted cold."""
         if found.get("uncached", 0) > 0 or found["hits"] + found["misses"] == 0:
             return None
+        entry = {**entry, "one_graph": one_graph(entry)}
         path = self.blob(key)
         if found["misses"] > 0 or not path.is_file():
             saved = torch.compiler.save_cache_artifacts()
@@ -227,6 +237,34 @@ class CompileCache:
             path = self.write_blob(key, saved[0])
         self.add_entry(key, entry)
         return path
+
+
+def one_graph(entry: Mapping[str, Any]) -> bool:
+    """Whether the compile an entry records showed one graph serving several widths: fewer graphs (`graphs`, Dynamo's
+    count) than the distinct batch shapes it `compiled`. Only then is a width it never compiled warm: a model whose
+    code specializes the width compiles one graph per width under a dynamic width, as a static compile does, and a
+    compile of one shape cannot tell the two apart. A step broken into as many graphs as it has shapes reads as one
+    graph per width: predicted cold for a new width, found warm, the error on the safe side."""
+    compiled = entry.get("compiled") or []
+    return len(compiled) > 1 and int(entry.get("graphs", 0)) < len(compiled)
+
+
+def covers(entry: Mapping[str, Any], shapes: Iterable[BatchShapes]) -> bool:
+    """Whether the compiles an entry records hold the graphs of a run over `shapes`: every width where one graph
+    served several (`one_graph`), else the shapes they compiled. An entry that does not list them (written before
+    they were) is taken at its word."""
+    if "compiled" not in entry or entry.get("one_graph"):
+        return True
+    return set(graph_shapes(shapes, dynamic_width=False)) <= set(entry["compiled"])
+
+
+def merged(old: Mapping[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """`new`, a compile's manifest entry, with what an earlier entry of its key says still holds: the shapes compiled
+    before (their graphs stay in Inductor's caches) and one graph serving several widths, once a compile showed it."""
+    if not old or "compiled" not in old or "compiled" not in new:
+        return new
+    shapes = sorted(set(old["compiled"]) | set(new["compiled"]))
+    return {**new, "compiled": shapes, "one_graph": bool(old.get("one_graph")) or bool(new.get("one_graph"))}
 
 
 def cache_counters() -> dict[str, int]:

@@ -145,7 +145,8 @@ def decide_compile(
     def looked_up(prediction: CompilePrediction) -> CompilePrediction:  # cold or warm: is the fingerprint cached?
         if cache is None or isinstance(shapes, int):
             return prediction
-        return replace(prediction, found=cache.holds(shapes.key()))
+        # With the run's shapes: a model that compiled a graph per width is warm only for the widths it compiled.
+        return replace(prediction, found=cache.holds(shapes.key(), shapes.shapes))
 
     key = None if isinstance(shapes, int) else shapes.key
     if params.compile is True:

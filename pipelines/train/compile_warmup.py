@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pipelines.train.compile_cache import CompileCache, cache_counters, device_name
-from pipelines.train.compiled_step import compile_step, use_cache
+from pipelines.train.compile_cache import CompileCache, cache_counters, device_name, graph_shapes
+from pipelines.train.compiled_step import compile_step, shape_of, use_cache
 from pipelines.train.optim import create_fresh_state
 from pipelines.train.step import Batch, TrainStep
 
@@ -91,7 +91,9 @@ def compile_and_warm(
     }
     if key is not None:
         entry = {"compile_time_s": round(seconds, 2), "shapes": len(batches), "torch": torch.__version__,
-                 "device": device_name(step.runtime.device), "when": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
+                 "device": device_name(step.runtime.device), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+                 "graphs": found.graphs,  # over the shapes compiled: one graph for all, or one per width (`one_graph`)
+                 "compiled": graph_shapes(map(shape_of, batches), dynamic_width=False)}  # fmt: skip
         blob = cache.record(key, entry, {name: after[name] - before[name] for name in after})  # what the compile found
         warmed.notes["compile.fingerprint"] = key
         if blob is not None:

@@ -222,13 +222,15 @@ def track_training_peak(
 
 
 def track_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, run_step: Callable[[object], None]
-) -> MemoryAtPeak:
+    model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, run_step: Callable[[object], None],
+    watch: Callable[[dict[str, int]], None] | None = None,
+) -> MemoryAtPeak:  # fmt: skip
     """Run `run_step(per_micro_batch_meter)` once under PyTorch's MemTracker; return its peak and breakdown.
 
     The optimizer state should exist already: only then is the step the steady state every later step
     repeats. Only one step is tracked because the tracker, a Python dispatch mode, slows the step it
-    watches. Hand-written glue only: the counting is torch's own.
+    watches. Hand-written glue only: the counting is torch's own. `watch`, where given, sees the running
+    bytes by kind after every op (the memory plan's timeline: one FSDP worker's peak, `resolve.memory_plan`).
     """
     tracker = _frozen_aware_tracker()
     tracker.track_external(model, optimizer)
@@ -243,6 +245,8 @@ def track_step(
         update_peak(state)
         for kinds in tracker._curr_mem_snap.values():
             activations_peak = max(activations_peak, sum(v for k, v in kinds.items() if k == _ACTIVATION))
+            if watch is not None:
+                watch({getattr(k, "value", k): int(v) for k, v in kinds.items()})
 
     tracker._update_peak_stats = update_and_watch_activations  # type: ignore[method-assign]
     release = _module_grad_hooks_removed_after() if active_fake_mode() is None else nullcontext()

@@ -108,10 +108,11 @@ def store_frozen_weights(model: nn.Module, params: Params, precision: str) -> in
     A frozen fp32 weight is only ever read, and autocast casts it to the compute dtype at every forward anyway, so
     its fp32 copy is memory for nothing: an 8B base is 30.7 GB in fp32 and 15.3 GB in bf16, as PEFT's, TRL's,
     torchtune's and Unsloth's LoRA recipes load it. An fp32 run (and a CPU run resolving `precision: auto` to fp32,
-    where bf16 is emulated) keeps fp32 bases. Not under FSDP, whose flat shards take one dtype per group.
+    where bf16 is emulated) keeps fp32 bases. Under FSDP too: FSDP2 asks one dtype of a unit's trained weights
+    only, and shards and gathers the frozen ones in the 16 bits they are stored in (`pipelines.train.fsdp_steps`).
     """
     dtype = _COMPUTE_DTYPES.get(precision)
-    if dtype is None or params.distributed.strategy == "fsdp":
+    if dtype is None:
         return 0
     return _store_fp32_weights(model, dtype, frozen_only=True)
 

@@ -1,20 +1,23 @@
-"""How the model is spread over data-parallel workers: DDP replicas, or FSDP2 shards.
+"""How the model is spread over data-parallel workers: DDP replicas, or FSDP2 shards, as a few steps in order.
 
-Under DDP every rank holds the whole model, its gradients and its optimizer state, and the
-gradients are all-reduced once per accumulation window. Under FSDP (`distributed.strategy:
-fsdp`, PyTorch's FSDP2 `fully_shard`) each rank holds 1/N of every weight, gradient and
-optimizer-state tensor; a transformer block's weights are all-gathered just before it runs and
-freed after, and its gradients are reduce-scattered. The blocks are the ones transformers
-itself never splits across devices (`_no_split_modules`); the rest (embeddings, head) is one
-more unit at the root.
+Under DDP every rank holds the whole model, its gradients and its optimizer state, and the gradients are
+all-reduced once per accumulation window (`replicate`). Under FSDP (`distributed.strategy: fsdp`, PyTorch's FSDP2
+`fully_shard`) each rank holds 1/N of every weight, gradient and optimizer-state tensor; a transformer block's
+weights are all-gathered just before it runs and freed after, and its gradients are reduce-scattered.
 
-FSDP shards a copy: the caller's model stays whole on the host, untouched, and gets the trained
-weights back at the end (`gather_full_weights`), so rank 0 evaluates and saves it as under DDP.
+`parallelize` reads as torchtitan's `parallelize_llama` (GUIDE rule 24): activation checkpointing, then
+`fully_shard` per block and for the root (`pipelines.train.fsdp_steps`), each a small function over the model and
+its `ParallelConfig`. What cannot combine with FSDP (compile: true, Adafactor, a chunked loss) is refused by the
+rule table (`pipelines.params.rules`) before any step runs, not by branches here.
+
+A model built whole is sharded as a copy: the caller's stays on the host and is given the trained weights at the
+end (`gather_full_weights`), so rank 0 evaluates and saves it as under DDP. A model whose weights are still on the
+meta device (built without storage, for each rank to load only its shard) is sharded in place, no copy made.
 """
 
 from __future__ import annotations
 
-import copy
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -22,6 +25,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pipelines.params import Params
 from pipelines.runtime import ResolvedPrecision
+from pipelines.train.fsdp_steps import apply_fsdp, gather_full_weights, on_meta_device, sharding_units
+
+__all__ = [
+    "ParallelConfig",
+    "apply_checkpointing",
+    "gather_full_weights",
+    "parallelize",
+    "replicate",
+    "sharding_units",
+    "uses_fsdp",
+]
 
 
 def uses_fsdp(params: Params, world_size: int) -> bool:
@@ -29,39 +43,67 @@ def uses_fsdp(params: Params, world_size: int) -> bool:
     return params.distributed.strategy == "fsdp" and world_size > 1
 
 
-def sharding_units(model: nn.Module) -> list[nn.Module]:
-    """The blocks FSDP shards one at a time: modules whose class transformers lists in `_no_split_modules`."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    return [module for module in model.modules() if type(module).__name__ in names and module is not model]
+@dataclass(frozen=True)
+class ParallelConfig:
+    """What the parallelizing steps read: the world, where it computes, in which precision, and the FSDP knobs."""
+
+    world_size: int
+    device: torch.device
+    precision: ResolvedPrecision  # resolved: fp32, bf16 or fp16
+    grad_checkpointing: bool = False
+    grad_checkpointing_every: int = 1
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+
+    @classmethod
+    def of(cls, params: Params, precision: ResolvedPrecision, device: torch.device, world_size: int) -> ParallelConfig:
+        """The config of a run of `params` on `device`, `precision` already resolved."""
+        return cls(
+            world_size=world_size,
+            device=device,
+            precision=precision,
+            grad_checkpointing=params.grad_checkpointing,
+            grad_checkpointing_every=params.grad_checkpointing_every,
+            reshard_after_forward=params.distributed.reshard_after_forward,
+            cpu_offload=params.distributed.cpu_offload,
+        )
 
 
-def shard(model: nn.Module, precision: ResolvedPrecision, device: torch.device, world_size: int) -> nn.Module:
-    """A copy of `model` sharded with FSDP2 over the process group's ranks, its shards on `device`.
+def apply_checkpointing(model: nn.Module, config: ParallelConfig) -> nn.Module:
+    """Step 1: activation checkpointing of the blocks (non-reentrant, which FSDP2 recomputes under), when asked.
 
-    In bf16/fp16 the all-gathered weights are cast for compute (FSDP's MixedPrecisionPolicy) and
-    gradients are reduced in fp32; the sharded weights and optimizer state stay fp32.
+    The trainer's memory levers (`apply_memory_levers`) have usually switched it on already, so what the memory
+    plan counts is what trains; then this step leaves it as it is. It must come before `fully_shard`: the
+    checkpointed call is the block's own `__call__`, inside which FSDP's hooks gather the weights again for the
+    recompute.
     """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    if not config.grad_checkpointing or getattr(model, "is_activation_checkpointing", True):
+        return model
+    model.activation_checkpointing_enable(  # type: ignore[operator]
+        activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=config.grad_checkpointing_every
+    )
+    return model
 
-    sharded = copy.deepcopy(model)
-    mesh = init_device_mesh(device.type, (world_size,))
-    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
-    for block in sharding_units(sharded):
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(sharded, mesh=mesh, mp_policy=policy)  # moves the shards to the mesh's device
+
+def parallelize(model: nn.Module, config: ParallelConfig) -> nn.Module:
+    """`model` sharded with FSDP2 over the process group's ranks: the steps in order; returns the sharded model.
+
+    No compile step: `compile: true` with FSDP is refused by the rule table (see its message), and
+    `compile: auto` chooses eager under FSDP (`compile_decision`).
+    A model on the meta device comes back sharded in place with its shards still on the meta device; each
+    rank's shards are then filled from rank 0's whole model (`shard_loading.shard_model`, which calls this, before
+    the optimizer is built).
+    """
+    sharded = model if on_meta_device(model) else _copy(model)
+    for step in (apply_checkpointing, apply_fsdp):
+        sharded = step(sharded, config)
     return sharded
 
 
-def gather_full_weights(sharded: nn.Module, model: nn.Module, rank: int, device: torch.device) -> None:
-    """Every rank joins the all-gather; rank 0 loads the whole trained weights into `model`, on `device`."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+def _copy(model: nn.Module) -> nn.Module:
+    import copy
 
-    full = get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank == 0:
-        model.load_state_dict(full)
-        model.to(device)
+    return copy.deepcopy(model)
 
 
 def replicate(model: nn.Module, device: torch.device) -> nn.Module:

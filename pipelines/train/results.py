@@ -101,4 +101,15 @@ def reduce_final_metrics(metrics: dict[str, float], device: torch.device) -> dic
     out["tokens_per_s"] = tokens / out["train_time_s"]
     out["padding_fraction"] = 1.0 - tokens / positions if positions else 0.0
     out["world_size"] = float(world()[1])
+    if "peak_train_memory_bytes" in metrics:  # the max above hides which rank peaked, and by how much over the rest
+        out.update(per_rank_values("peak_train_memory_bytes", metrics["peak_train_memory_bytes"], device))
     return out
+
+
+def per_rank_values(name: str, value: float, device: torch.device) -> dict[str, float]:
+    """Every rank's own `value`, as `{name}_rank_{i}`: each rank adds its value at its own index of a zero vector,
+    so one sum gives them all."""
+    rank, size = world()
+    values = [0.0] * size
+    values[rank] = float(value)
+    return {f"{name}_rank_{i}": v for i, v in enumerate(all_reduce(values, "sum", device))}

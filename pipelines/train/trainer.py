@@ -28,9 +28,10 @@ from pipelines.train.memory import MemoryAtPeak, gradient_bytes, track_step
 from pipelines.train.memory_levers import OffloadContext, apply_memory_levers
 from pipelines.train.optim import build_optimizer, build_scheduler, create_fresh_state
 from pipelines.train.out_of_memory import OUT_OF_MEMORY, recover_from_out_of_memory
-from pipelines.train.parallel import gather_full_weights, replicate, shard, uses_fsdp
+from pipelines.train.parallel import ParallelConfig, gather_full_weights, replicate, uses_fsdp
 from pipelines.train.request import TrainRequest, refuse_unresolved
 from pipelines.train.results import all_reduce, final_metrics, reduce_final_metrics, world
+from pipelines.train.shard_loading import shard_model
 from pipelines.train.step import StepOutcome, TrainStep, make_scaler
 from pipelines.train.validation import evaluate_split
 from pipelines.train.windows import (
@@ -105,13 +106,15 @@ class Trainer:
         return offload
 
     def place_model(self, model: nn.Module) -> None:
-        """This rank of the world, and the model it trains: the caller's, in place, or under FSDP this rank's shards,
-        the caller's kept (`whole`) to be given the gathered weights at the end."""
+        """This rank of the world, and the model it trains: the caller's, in place, or under FSDP this rank's shards
+        (`shard_model`), the caller's kept (`whole`) to be given the gathered weights at the end."""
         self.rank, self.world_size = world()
         self.fsdp = uses_fsdp(self.params, self.world_size)
         self.whole = self.model = model
+        self.shard_note: dict[str, str] = {}
         if self.fsdp:
-            self.model = shard(model, self.runtime.precision, self.device, self.world_size)
+            config = ParallelConfig.of(self.params, self.runtime.precision, self.device, self.world_size)
+            self.model, self.shard_note = shard_model(model, config, self.rank)
             if self.checkpoint_dir is not None:
                 self.say("FSDP: no checkpoints are written (sharded state is not saved for resume yet); the run "
                          "starts over")  # fmt: skip
@@ -160,7 +163,7 @@ class Trainer:
             gather_full_weights(self.model, self.whole, self.rank, self.device)
         if self.world_size > 1:
             metrics = reduce_final_metrics(metrics, self.device)
-        return metrics, self.state, {**self.runtime.notes(), **self.compile_notes}
+        return metrics, self.state, {**self.runtime.notes(), **self.compile_notes, **self.shard_note}
 
     def count_timed_compiles(self) -> None:
         """Recompiles and CUDA-graph skips after the warm-up, in the timed steps: metrics, and a warning when any,

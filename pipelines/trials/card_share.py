@@ -188,32 +188,20 @@ def enforced_share(
 
 
 def gpus_asked(params: Params, per_trial: float) -> float:
-    """GPUs one trial holds on Ray at once: its own (`per_trial`), or a distributed trial's workers', one each with
-    distributed.use_gpu (its null resolved as `pipelines.trials.distributed.resolve_use_gpu` does; that module is
-    not imported here: it loads the engine, which the driver never does)."""
+    """GPUs one trial holds on Ray at once: its own (`per_trial`), or a distributed trial's workers'
+    (`pipelines.trials.resources.worker_gpus` each)."""
+    from pipelines.trials.resources import worker_gpus
+
     workers = params.distributed.num_workers
-    if workers < 2:
-        return per_trial
-    use_gpu = params.distributed.use_gpu
-    if use_gpu is None:
-        import torch
-
-        from pipelines.runtime import gpus_for_every_worker
-
-        use_gpu = params.device != "cpu" and torch.cuda.is_available() and gpus_for_every_worker(params)
-    return float(workers) if use_gpu else 0.0
+    return per_trial if workers < 2 else workers * worker_gpus(params)
 
 
 def unseen_gpus_message(params: Params, asked: float, seen: float, address: str | None) -> str:
     """Why trials asking Ray for `asked` GPUs each cannot start on a cluster of `seen` GPUs, and what to do."""
     declared = params.tune.resources_per_trial.gpu
-    if params.distributed.num_workers > 1:
-        what = f"distributed.use_gpu: {params.distributed.num_workers} workers, a GPU each"
-        fix = "distributed.use_gpu: false"
-    else:
-        why = "as declared" if declared not in (None, "auto") else "a whole GPU, as this machine trains on CUDA"
-        what = f"tune.resources_per_trial.gpu = {'null' if declared is None else declared}: {why}"
-        fix = f"tune.resources_per_trial.gpu: {seen:g}"
+    why = "as declared" if declared not in (None, "auto") else "a whole GPU, as this machine trains on CUDA"
+    what = f"tune.resources_per_trial.gpu = {'null' if declared is None else declared}: {why}"
+    fix = f"tune.resources_per_trial.gpu: {seen:g}"
     where = f"at {address}" if address else "started here (told this machine's CUDA devices, torch's count)"
     start = "start its nodes with their GPUs (`ray start --num-gpus=N`)" if address else "run where CUDA is visible"
     return (
@@ -225,9 +213,12 @@ def unseen_gpus_message(params: Params, asked: float, seen: float, address: str 
 
 def refuse_gpus_ray_lacks(params: Params, per_trial: float, address: str | None) -> None:
     """Refuse, before Tune starts, trials asking for more GPUs than the Ray cluster has: Tune only warns, and waits
-    for them forever (a cluster that adds GPU nodes by autoscaling is not waited for either)."""
+    for them forever (a cluster that adds GPU nodes by autoscaling is not waited for either). A distributed trial's
+    workers are checked node by node, with how many fit, by `pipelines.trials.placement.refuse_unplaceable`."""
     import ray
 
+    if params.distributed.num_workers > 1:
+        return
     asked = gpus_asked(params, per_trial)
     seen = float(ray.cluster_resources().get("GPU", 0.0))
     if asked > seen:

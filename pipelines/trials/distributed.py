@@ -20,15 +20,7 @@ import torch
 from pipelines.errors import UserError
 from pipelines.params import Params
 from pipelines.recipe import FINAL_KEY, METRICS_FILE, NullLogger, Trial, TrialContext, train_and_save
-from pipelines.runtime import gpus_for_every_worker
-
-
-def resolve_use_gpu(params: Params) -> bool:
-    """Whether each worker takes a GPU: as declared, else when this (driver) process sees CUDA."""
-    use_gpu = params.distributed.use_gpu
-    if use_gpu is None:
-        return params.device != "cpu" and torch.cuda.is_available() and gpus_for_every_worker(params)
-    return use_gpu
+from pipelines.trials.resources import worker_gpus, workers_use_gpu
 
 
 def _epoch_reports_to_tune() -> Any:
@@ -56,17 +48,33 @@ WORKER_GROUP_START_RETRIES = 2
 START_TIMEOUT_VAR = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # Ray Train's own variable; the driver's reaches us
 
 
-def start_failed_message(params: Params, threads: int, use_gpu: bool, reason: str) -> str:
-    """Why Ray Train gave up starting this trial's workers, and what to do."""
+def start_failed_message(params: Params, threads: int, gpus: float, reason: str) -> str:
+    """Why Ray Train gave up starting this trial's workers (of `threads` CPUs and `gpus` GPUs each), and what to do."""
     timeout = float(os.environ.get(START_TIMEOUT_VAR, "60"))
     workers = params.distributed.num_workers
-    each = f"{threads} CPU{'s' if threads != 1 else ''}{' and 1 GPU' if use_gpu else ''} each"
+    each = f"{threads} CPU{'s' if threads != 1 else ''}{f' and {gpus:g} GPU' if gpus else ''} each"
     return (
         f"Ray Train could not start this trial's {workers} workers ({each}) in {WORKER_GROUP_START_RETRIES + 1} tries "
         f"of {timeout:g} s ({START_TIMEOUT_VAR}): the cluster has room for them, but it was not free ({reason}); "
         f"free what other work holds on the cluster (`ray status` shows it), or set {START_TIMEOUT_VAR} higher where "
         "nodes take longer to join or free up"
     )
+
+
+def worker_group(params: Params, threads: int) -> tuple[Any, Any]:
+    """Ray Train's ScalingConfig and TorchConfig for the trial's workers: `threads` CPUs and `worker_gpus` GPUs each
+    (one bundle each in Ray Train's placement group, PACK: as many on one node as fit).
+
+    Ray takes GPUs per worker only with use_gpu, and then picks NCCL: workers that hold a GPU but train on the CPU
+    (tune.resources_per_trial.gpu declared with device: cpu) talk over gloo.
+    """
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchConfig
+
+    gpus = worker_gpus(params)
+    scaling = ScalingConfig(num_workers=params.distributed.num_workers, use_gpu=gpus > 0,
+                            resources_per_worker={"CPU": threads, **({"GPU": gpus} if gpus else {})})  # fmt: skip
+    return scaling, TorchConfig(backend=None if workers_use_gpu(params) else "gloo")
 
 
 def run_distributed_trial(
@@ -77,13 +85,14 @@ def run_distributed_trial(
     Rank 0 saves the model beside the driver's staging folder, so the repository's folder must be
     the same shared path on every node (see docs/how-to/ray-cluster.md).
     """
-    from ray.train import ControllerError, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import ControllerError, FailureConfig, RunConfig
     from ray.train.torch import TorchTrainer
     from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError, WorkerGroupStartupTimeoutError
 
     from pipelines.trials.ray_cluster import seal_credentials
 
-    use_gpu = resolve_use_gpu(params)
+    use_gpu = workers_use_gpu(params)  # trains on CUDA; the GPUs reserved are `worker_gpus`, declared ones too
+    scaling, torch_config = worker_group(params, context.threads)
     trainer = TorchTrainer(
         train_worker,
         train_loop_config={
@@ -98,11 +107,8 @@ def run_distributed_trial(
             # from this trial's environment, where the driver's were set (pipelines.trials.ray_cluster).
             "credentials": seal_credentials(),
         },
-        scaling_config=ScalingConfig(
-            num_workers=params.distributed.num_workers,
-            use_gpu=use_gpu,
-            resources_per_worker={"CPU": context.threads, **({"GPU": 1} if use_gpu else {})},
-        ),
+        scaling_config=scaling,
+        torch_config=torch_config,
         run_config=RunConfig(
             name=f"{variant}-{trial_id}",
             storage_path=str(Path(context.root) / "ray_results"),
@@ -117,7 +123,7 @@ def run_distributed_trial(
         if not isinstance(failure, WorkerGroupStartupTimeoutError | WorkerGroupStartupFailedError):
             raise
         reason = str(failure).split(". ", 1)[0]  # Ray's first sentence; the rest is its generic advice
-        raise UserError(start_failed_message(params, context.threads, use_gpu, reason)) from err
+        raise UserError(start_failed_message(params, context.threads, worker_gpus(params), reason)) from err
     # Rank 0 saved the model and its final metrics to the trial's staging folder (shared storage).
     return json.loads((Path(context.staging_dir) / trial_id / METRICS_FILE).read_text())
 
@@ -144,6 +150,7 @@ def train_worker(config: dict[str, Any]) -> None:
         client = open_client(context.tracking_uri)
         logger = RunLogger(client, config["run_id"], fallback_dir=context.fallback_dir)
         log_model = model_logger(logger, context.experiment_id, config["run_id"], config["trial_id"])
+    record_placement(logger, rank, params)
     trial = Trial(
         context, config["variant"], config["trial_id"], config["run_id"], logger, ray.train.report,
         Path(config["checkpoint_dir"]), rank, log_model, progress_bar(context.progress_bars and rank == 0),
@@ -156,3 +163,35 @@ def train_worker(config: dict[str, Any]) -> None:
     # Every rank reports as often as the others (Ray Train's report is a barrier). The driver
     # reads the final metrics from the staging folder and reports them to Tune itself.
     ray.train.report({FINAL_KEY: 1})
+
+
+def worker_placement(rank: int) -> dict[str, Any]:
+    """Where Ray put this worker, as Ray's runtime context records it (not what the trial asked for): its node, and
+    the ids of the GPUs Ray assigned it (its CUDA_VISIBLE_DEVICES on a GPU node)."""
+    import ray
+
+    context = ray.get_runtime_context()
+    return {"rank": rank, "node": context.get_node_id(),
+            "gpus": [str(gpu) for gpu in context.get_accelerator_ids().get("GPU", [])]}  # fmt: skip
+
+
+def placement_tags(placements: list[dict[str, Any]], strategy: str) -> tuple[dict[str, str], dict[str, float]]:
+    """The trial's run's record of its workers: the strategy, every rank's node and GPU ids (`distributed.placement`,
+    JSON, by rank) and the number of nodes, as tags, and the number of nodes as a metric (beside the engine's
+    world_size) for the runs table."""
+    nodes = len({placement["node"] for placement in placements})
+    tags = {"distributed.strategy.resolved": strategy, "distributed.nodes": str(nodes),
+            "distributed.placement": json.dumps(sorted(placements, key=lambda p: p["rank"]))}  # fmt: skip
+    return tags, {"num_nodes": float(nodes)}
+
+
+def record_placement(logger: Any, rank: int, params: Params) -> None:
+    """Every rank's placement, gathered over the trial's process group (Ray Train set it up) and logged by rank 0."""
+    import torch.distributed as dist
+
+    placements: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(placements, worker_placement(rank))
+    if rank == 0:
+        tags, metrics = placement_tags(placements, params.distributed.strategy)
+        logger.log_tags(tags)
+        logger.log_dict(metrics)

@@ -7,18 +7,30 @@ to `Tuner.restore` an experiment this stage never restores. So its handler is of
 (TUNE_DISABLE_SIGINT_HANDLER, read when `fit` starts): Ctrl-C raises KeyboardInterrupt in the driver, which stops
 the trials by ending its Ray session (a local cluster ends with it; on a joined cluster, Ray ends the job's actors when
 their driver leaves) and removes the lock files the killed trials held (`checkpoints/<key>/.lock`). The trials' and
-the parent's MLflow runs are then closed as KILLED (`pipelines.trials.parent_run.ParentRun.close`).
+the parent's MLflow runs are then closed as KILLED (`pipelines.trials.parent_run.ParentRun.close`). The line says
+what to do next: `interrupted; rerun the same command to resume from step N`, N read from the checkpoint of each trial
+that was running.
+
+DVC runs a stage as its child and ignores SIGINT itself while it does (dvc/stage/run.py, DVC 3.x: SIG_IGN around
+the child's `communicate`), counting on the terminal's Ctrl-C, which signals the whole foreground process group, to
+reach the stage too. SIGINT sent to the `dvc` process alone is dropped by the kernel, unseen by any process; but
+`dvc` ended (SIGTERM, SIGKILL, `dvc queue kill`) used to leave the stage training on, orphaned, writing into the
+workspace. `interrupt_when_parent_ends` makes that a Ctrl-C.
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import signal
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from pipelines.train.checkpoint import remove_unheld_locks
+from pipelines.errors import Interrupted
+from pipelines.train.checkpoint import CHECKPOINT_FILE, LOCK_FILE, remove_unheld_locks
 
 TUNE_SIGINT_SWITCH = "TUNE_DISABLE_SIGINT_HANDLER"
 
@@ -26,7 +38,7 @@ TUNE_SIGINT_SWITCH = "TUNE_DISABLE_SIGINT_HANDLER"
 @contextmanager
 def stopped_on_ctrl_c(checkpoint_root: Path) -> Iterator[None]:
     """Run the block (the Tuner's `fit`) with Ctrl-C raising KeyboardInterrupt: then stop the trials and remove the
-    locks they held, and raise it again."""
+    locks they held, and raise `Interrupted`, saying the step each running trial resumes from."""
     before = os.environ.get(TUNE_SIGINT_SWITCH)
     os.environ[TUNE_SIGINT_SWITCH] = "1"
     try:
@@ -36,11 +48,13 @@ def stopped_on_ctrl_c(checkpoint_root: Path) -> Iterator[None]:
         # most remove_unheld_locks' wait), so it runs to its end.
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
+            running = held_folders(checkpoint_root)  # before the trials stop: then their locks are let go
             stop_trials()
             remove_unheld_locks(checkpoint_root)
+            hint = resume_hint([checkpoint_step(folder) for folder in running])
         finally:
             signal.signal(signal.SIGINT, previous)
-        raise
+        raise Interrupted(hint) from None
     finally:
         if before is None:
             os.environ.pop(TUNE_SIGINT_SWITCH, None)
@@ -53,3 +67,60 @@ def stop_trials() -> None:
     import ray
 
     ray.shutdown()
+
+
+def held_folders(checkpoint_root: Path) -> list[Path]:
+    """The checkpoint folders whose lock a live process holds: those of the trials running now."""
+    held = []
+    for lock in sorted(checkpoint_root.glob(f"*/{LOCK_FILE}")):
+        try:
+            fd = os.open(lock, os.O_RDONLY)
+        except FileNotFoundError:  # its trial ended meanwhile
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held.append(lock.parent)
+        finally:
+            os.close(fd)  # closing releases a lock this took
+    return held
+
+
+def checkpoint_step(folder: Path) -> int | None:
+    """The optimizer step the checkpoint in `folder` resumes from: 0 without one, None when it cannot be read."""
+    import torch
+
+    path = folder / CHECKPOINT_FILE
+    if not path.is_file():
+        return 0
+    try:  # mapped, not read: only the loop's state is looked at
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return int(json.loads(payload["state"])["step"])
+    except (OSError, RuntimeError, KeyError, ValueError):
+        return None
+
+
+def resume_hint(steps: list[int | None]) -> str:
+    """What to do after Ctrl-C, from the steps the running trials' checkpoints hold (`checkpoint_step`)."""
+    known = sorted({step for step in steps if step})
+    if not known:
+        return "rerun the same command to start again (no checkpoint had been written yet)"
+    if len(known) == 1 and len(steps) == 1:
+        return f"rerun the same command to resume from step {known[0]}"
+    return f"rerun the same command to resume its trials from their checkpoints (steps {', '.join(map(str, known))})"
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def interrupt_when_parent_ends() -> None:
+    """Have the kernel send this process SIGINT (Ctrl-C: the trials stopped, their checkpoints kept) when its parent
+    process (`dvc`) ends; Linux only (prctl), elsewhere nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGINT)
+    if os.getppid() != parent:  # it ended before the kernel was asked
+        os.kill(os.getpid(), signal.SIGINT)

@@ -1,5 +1,6 @@
 """The train stage's own MLflow run, the parent of its trials' runs: opened with what identifies the stage's run,
-closed with its children, and given the best trial's figures and its registered model."""
+closed with its children, and given the best trial's figures and, once the stage's outputs are in place, its
+registered model."""
 
 from __future__ import annotations
 
@@ -65,14 +66,20 @@ def tag_stopped_trials(parent: ParentRun, params: Params, summary: dict[str, Any
 
 
 def record_best(parent: ParentRun, params: Params, summary: dict[str, Any]) -> None:
-    """The best trial on the parent run (its run id and headline figures), then its model registered, in
-    `summary["registered_model"]` and on the parent run."""
+    """The best trial on the parent run: its run id and headline figures."""
     client, best = parent.client, summary["best"]
     client.set_tag(parent.run_id, "best_run_id", best["mlflow_run_id"])
     log_best_on_parent(client, parent.run_id, params.task, best["metrics"])
-    summary["registered_model"] = register_best_model(client, params, best["mlflow_run_id"], parent.tracking_uri)
+
+
+def register_best(parent: ParentRun, params: Params, summary: dict[str, Any]) -> None:
+    """The best trial's model registered, in `summary["registered_model"]` and on the parent run. Only once the
+    stage's outputs are in place: a stage that fails after registering would leave a registered version that no
+    `models/` and no `dvc.lock` hold."""
+    best = summary["best"]
+    summary["registered_model"] = register_best_model(parent.client, params, best["mlflow_run_id"], parent.tracking_uri)
     if summary["registered_model"]:
-        client.set_tag(parent.run_id, "registered_model", summary["registered_model"]["uri"])
+        parent.client.set_tag(parent.run_id, "registered_model", summary["registered_model"]["uri"])
 
 
 def register_best_model(client: Any, params: Params, run_id: str, tracking_uri: str) -> dict[str, str] | None:

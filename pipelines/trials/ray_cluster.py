@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -81,6 +82,7 @@ def init_ray(num_cpus: int, address: str | None, num_gpus: int | None = None) ->
 
     if ray.is_initialized():
         return
+    plain_output_off_a_terminal()
     runtime_env = {"env_vars": worker_env()}
     if address:
         use_cluster_token()
@@ -90,6 +92,20 @@ def init_ray(num_cpus: int, address: str | None, num_gpus: int | None = None) ->
         # /tmp/ray/ray_current_cluster names: another user's `ray start`, or one killed without cleanup.
         with quiet_token_notice():
             start_local_ray(num_cpus, runtime_env, num_gpus)
+
+
+def plain_output_off_a_terminal() -> None:
+    """No ANSI colour codes in what Ray prints of its workers' lines where it lands in what is not a terminal (a log
+    file, a CI job's log, captured output). Ray colours the `(pid=...)` prefix unless RAY_COLOR_PREFIX=0 (its switch,
+    read by the driver as it prints each line: ray/_private/worker.py, `print_worker_logs`; a value the user set is
+    kept), and its deduplication's `[repeated 3x across cluster]` always: colorama, with which Ray colours, strips the
+    codes from a stream that is not a terminal once `colorama.init` wraps it (a terminal's is left as it is)."""
+    if sys.stdout.isatty() and sys.stderr.isatty():
+        return
+    import colorama
+
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    colorama.init()
 
 
 def local_ray_gpus(params: Params) -> int:

@@ -10,7 +10,7 @@ def trial_resources(params: Params, cpus: int) -> dict[str, float]:
     """CPUs and GPUs per trial: as declared, else an even share of the cores and one GPU when it trains on CUDA.
 
     A distributed trial is only its workers' driver: it reserves one CPU, and each of its
-    workers reserves `worker_threads` CPUs (and a GPU with distributed.use_gpu).
+    workers reserves `worker_threads` CPUs and `worker_gpus` GPUs.
     """
     import torch
 
@@ -34,3 +34,26 @@ def worker_threads(params: Params, cpus: int) -> int:
 def local_ray_cpus(params: Params, cpus: int) -> int:
     """Logical CPUs of a local Ray: the cores, plus one per concurrent distributed trial for its idle driver."""
     return cpus + (params.tune.max_concurrent_trials if params.distributed.num_workers > 1 else 0)
+
+
+def workers_use_gpu(params: Params) -> bool:
+    """Whether a distributed trial's workers train on GPUs: distributed.use_gpu as declared, else when this (driver)
+    process sees CUDA and every worker can get a GPU (`pipelines.runtime.gpus_for_every_worker`)."""
+    import torch
+
+    from pipelines.runtime import gpus_for_every_worker
+
+    use_gpu = params.distributed.use_gpu
+    if use_gpu is None:
+        return params.device != "cpu" and torch.cuda.is_available() and gpus_for_every_worker(params)
+    return use_gpu
+
+
+def worker_gpus(params: Params) -> float:
+    """GPUs each worker of a distributed trial reserves on Ray: a number declared in tune.resources_per_trial.gpu
+    (per worker, as its cpu is; it stands even where the workers train on the CPU, as a single-process trial's
+    does), else one with `workers_use_gpu`, else none."""
+    declared = params.tune.resources_per_trial.gpu
+    if declared not in (None, "auto") and declared > 0:
+        return float(declared)
+    return 1.0 if workers_use_gpu(params) else 0.0

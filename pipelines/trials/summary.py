@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipelines.errors import UserError
+from pipelines.gpu_profiles import mib
 from pipelines.params import Params
 from pipelines.tasks import tune_objective
 from pipelines.trial_context import FINAL_KEY
@@ -130,5 +131,5 @@ def headline_metrics(metrics: dict[str, float]) -> dict[str, float]:
     }
     out = {**quality, **{k: metrics[k] for k in HEADLINE if k in metrics}}
     if "peak_train_memory_bytes" in metrics:
-        out["peak_train_memory_mib"] = round(metrics["peak_train_memory_bytes"] / 2**20, 1)
+        out["peak_train_memory_mib"] = mib(metrics["peak_train_memory_bytes"])
     return out

@@ -16,8 +16,10 @@ from typing import Any
 
 from ray import tune
 
+from pipelines.baseline import NO_BASELINE
 from pipelines.concurrency import METRIC, ConcurrentTrials, stopping
 from pipelines.errors import UserError
+from pipelines.gpu_profiles import mib
 from pipelines.host_load import HostLoad
 from pipelines.params import Params, apply_overrides
 from pipelines.recipe import PARAMS_FILE, Trial, train_and_save
@@ -42,8 +44,8 @@ from pipelines.tracking.status import (
 from pipelines.tracking.uploads import TRIAL_PREFIX, Upload, send_or_defer
 from pipelines.train.checkpoint import claim_checkpoint_dir
 from pipelines.train.memory import reset_peak_rss
-from pipelines.trial_context import FINAL_KEY, REPEAT_KEY, VARIANT_ORDER_TAG, TrialContext
-from pipelines.trials.card_share import CardShare, enforced_share
+from pipelines.trial_context import FINAL_KEY, REPEAT_KEY, TRIAL_NAME_TAG, VARIANT_ORDER_TAG, TrialContext
+from pipelines.trials.card_share import CardShare, enforced_share, gpu_fraction
 from pipelines.trials.ray_cluster import SealedCredentials, progress_bar, use_tracking_credentials
 
 __all__ = ["run_trial", "trial_overrides"]
@@ -56,14 +58,24 @@ def trial_overrides(config: dict[str, Any], variants: dict[str, dict[str, Any]])
     return overrides
 
 
-def trial_run_name(config: dict[str, Any], base_seed: int, experiment: str = "") -> str:
-    """What a trial varies, as its MLflow run name: its variant, its seed, then each searched value, then the DVC
-    experiment it belongs to (`adafactor · seed 43 · lr=0.0003 · exp-1a2b3`), so the runs table and the compare
-    view say what each row is, and tell two experiments' trials apart, without opening them."""
+def trial_name(variant: str, changed: str = "") -> str:
+    """A trial's name in the report and first in its run name: its variant; the default variant's is what the
+    experiment changed from the baseline commit's params.yaml (`optim=adafactor`, `dvc exp show`'s `changed`), or
+    `default` when nothing changed (`changed`: '-', 'no baseline' or '')."""
+    if variant != "default" or changed in ("", "-", NO_BASELINE):
+        return variant
+    return changed
+
+
+def trial_run_name(config: dict[str, Any], base_seed: int, experiment: str = "", changed: str = "") -> str:
+    """What a trial varies, as its MLflow run name: its name (`trial_name`), its seed, then each searched value,
+    then the DVC experiment it belongs to (`adafactor · seed 43 · lr=0.0003 · exp-1a2b3`), so the runs table and the
+    compare view say what each row is, and tell two experiments' trials apart, without opening them."""
     seed = config.get("seed", base_seed)
     searched = [f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in config.items()
                 if k not in ("variant", "seed", REPEAT_KEY)]  # fmt: skip
-    return " · ".join([str(config.get("variant", "default")), f"seed {seed}", *searched, *filter(None, [experiment])])
+    name = trial_name(str(config.get("variant", "default")), changed)
+    return " · ".join([name, f"seed {seed}", *searched, *filter(None, [experiment])])
 
 
 def shown_figures(metrics: dict[str, float]) -> dict[str, float]:
@@ -71,7 +83,7 @@ def shown_figures(metrics: dict[str, float]) -> dict[str, float]:
     column). The figures themselves are not rounded: derived ones (rows = samples/s x seconds) must stay exact."""
     out = dict(metrics)
     if "peak_train_memory_bytes" in out:
-        out["peak_train_memory_mib"] = round(out["peak_train_memory_bytes"] / 2**20, 1)
+        out["peak_train_memory_mib"] = mib(out["peak_train_memory_bytes"])
     return out
 
 
@@ -92,9 +104,10 @@ def run_trial(config: dict[str, Any], context: TrialContext, shares: dict[str, C
     run_id = start_run(
         client,
         context.experiment_id,
-        trial_run_name(config, int(context.params.get("seed", 0)), context.experiment_name),
+        trial_run_name(config, int(context.params.get("seed", 0)), context.experiment_name, context.changed),
         {
             "variant": variant,
+            TRIAL_NAME_TAG: trial_name(variant, context.changed),
             # Trials finish (and start) in any order when they run concurrently; the report orders
             # variants as tune.variants declares them.
             VARIANT_ORDER_TAG: str(list(context.variants).index(variant) if variant in context.variants else 0),
@@ -155,7 +168,7 @@ def card_tags(context: TrialContext, variant: str) -> dict[str, str]:
     import ray
 
     assigned = ray.get_runtime_context().get_assigned_resources().get("GPU")  # what Ray actually gave this trial
-    return {"card.sharing": str(sharing), "card.gpu_share": f"{1.0 if sharing == 1 else 1.0 / sharing:.4g}",
+    return {"card.sharing": str(sharing), "card.gpu_share": f"{gpu_fraction(sharing):.4g}",
             "card.ray_gpu": "none" if assigned is None else f"{assigned:.4g}"}  # fmt: skip
 
 

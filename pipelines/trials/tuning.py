@@ -3,8 +3,8 @@
 `run_tuning` reads as the stage's steps, top to bottom: open the parent run (`parent_run.py`), describe the trials
 (`trial_context`), start Ray and place them, refusing what no node can hold (`place_trials`: `resources.py`,
 `card_share.py`, `placement.py`), run the Tuner (`tuner.py`; Ctrl-C: `interruption.py`), summarise (`summary.py`),
-keep the best model's folder and the unsent ones (`keep_model_folders`, `unsent.py`), and record the best trial and
-its registered model on the parent run.
+keep the best model's folder and the unsent ones (`keep_model_folders`, `unsent.py`), record the best trial on the
+parent run, let the stage put its outputs in place (`publish`), and only then register the best model.
 """
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from pipelines.baseline import changed_since_baseline
 from pipelines.model_card import follow_move
 from pipelines.params import Params, ray_address
 from pipelines.tasks import tune_objective
@@ -23,7 +25,14 @@ from pipelines.tracking.status import ended_run
 from pipelines.trial_context import TrialContext
 from pipelines.trials.card_share import CardShare, gpu_shares, refuse_gpus_ray_lacks, shared_resources
 from pipelines.trials.interruption import stopped_on_ctrl_c
-from pipelines.trials.parent_run import ParentRun, open_parent_run, record_best, register_best_model, tag_stopped_trials
+from pipelines.trials.parent_run import (
+    ParentRun,
+    open_parent_run,
+    record_best,
+    register_best,
+    register_best_model,
+    tag_stopped_trials,
+)
 from pipelines.trials.placement import refuse_unplaceable
 from pipelines.trials.ray_cluster import init_ray, local_ray_gpus, tune_console, tune_verbosity
 from pipelines.trials.resources import local_ray_cpus, trial_resources, worker_threads
@@ -47,9 +56,12 @@ STAGING_DIR = "trials"  # under the stage's output folder: every trial's model, 
 
 
 def run_tuning(
-    params: Params, root: Path, tokenized_dir: Path, out_dir: Path, tokenize_stats: dict[str, float]
-) -> dict[str, Any]:
-    """Run every trial; write the best model to `out_dir/best` and a trials summary; return the summary."""
+    params: Params, root: Path, tokenized_dir: Path, out_dir: Path, tokenize_stats: dict[str, float],
+    publish: Callable[[dict[str, Any]], None] = lambda summary: None,
+) -> dict[str, Any]:  # fmt: skip
+    """Run every trial; write the best model to `out_dir/best` and a trials summary; `publish(summary)` (the stage
+    puts its outputs in place), then register the best model; return the summary. The parent run is FINISHED only
+    after all of it: a stage that fails at its end leaves it FAILED, and no model registered."""
     objective = tune_objective(params)  # first: a tune.metric the task does not report fails before any run opens
     parent = open_parent_run(params, root)
     cpus = os.cpu_count() or 1
@@ -67,6 +79,8 @@ def run_tuning(
         keep_model_folders(parent.client, summary, out_dir)
         record_best(parent, params, summary)
         save_summary(parent.client, summary, out_dir, params.tracking.upload_retry_s)
+        publish(summary)
+        register_best(parent, params, summary)
         return summary
 
 
@@ -90,6 +104,8 @@ def trial_context(
         tokenize_stats=tokenize_stats,
         progress_bars=sys.stdout.isatty(),
         experiment_name=parent.experiment_name,
+        # The params this stage runs with: the working copy's (a queued experiment's temporary copy), not DVC_ROOT's.
+        changed=changed_since_baseline(root=Path.cwd()) if Path("params.yaml").is_file() else "",
     )
 
 

@@ -1,13 +1,16 @@
 """A team's tracking stack, real and throw-away, as `docs/how-to/team-server.md` sets it up: PostgreSQL for the store
 (Debian's `initdb` + `pg_ctl`), an S3 emulator for the artifacts (moto's server, from the package registry) and
 `mlflow server --app-name basic-auth` in front of both, proxying the artifacts and serving HTTPS with a self-signed
-certificate for 127.0.0.1 and localhost (the how-to's openssl command). Each listens on 127.0.0.1 on a free port, keeps
-its files in a temporary folder, and can be stopped and started again on the same port and data."""
+certificate for 127.0.0.1 and localhost. The server's command and the certificate's are the how-to's own lines, read
+from the page (`doc_command`) with this stack's ports, paths and names put in. Each listens on 127.0.0.1 on a free
+port, keeps its files in a temporary folder, and can be stopped and started again on the same port and data. (The
+page as a whole, in order, is run by tests/e2e/test_team_server_doc.py.)"""
 
 from __future__ import annotations
 
 import glob
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -23,10 +26,23 @@ import pytest
 
 from tests.conftest import free_port, git_env, kill_session
 
+DOC = Path(__file__).resolve().parents[2] / "docs/how-to/team-server.md"
 BUCKET = "team"
 EXPERIMENT = "finetune"
 SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 S3_KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def doc_command(program: str, values: dict[str, str]) -> list[str]:
+    """The how-to's one command line that starts with `program` (continuation lines joined), each key of `values`
+    replaced by its value in order (the page's paths, ports and names by this stack's), as an argv."""
+    text = re.sub(r"\\\n\s*", " ", DOC.read_text())
+    found = [line.strip() for line in text.splitlines() if line.strip().startswith(f"{program} ")]
+    assert len(found) == 1, f"{DOC.name} has {len(found)} `{program}` commands, not one: {found}"
+    line = found[0]
+    for doc, here in values.items():
+        line = line.replace(doc, here)
+    return shlex.split(line)
 
 
 def postgres_bin(tool: str) -> str | None:
@@ -160,9 +176,9 @@ def self_signed_certificate(folder: Path) -> tuple[Path, Path]:
     """The how-to's openssl command for this host's names (localhost, 127.0.0.1): (certificate, private key).
     Clients verify the server's name against the subjectAltName, so it names every address they dial."""
     cert, key = folder / "mlflow-cert.pem", folder / "mlflow-key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:3072", "-sha256", "-days", "365", "-nodes",
-                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=120)  # fmt: skip
+    names = {"mlflow.internal": "localhost", "<private-ip>": "127.0.0.1", "/srv/mlflow/key.pem": str(key),
+             "/srv/mlflow/cert.pem": str(cert)}  # fmt: skip
+    subprocess.run(doc_command("openssl", names), check=True, capture_output=True, timeout=120)
     return cert, key
 
 
@@ -187,13 +203,20 @@ class TeamServer:
 
     def command(self) -> list[str]:
         """The how-to's `mlflow server` command on this stack's port, store, bucket and certificate."""
-        # The how-to's --uvicorn-opts as written: uvicorn (MLflow's default server) terminates TLS itself.
-        tls = f"--ssl-keyfile {shlex.quote(str(self.key))} --ssl-certfile {shlex.quote(str(self.cert))}"
-        return [sys.executable, "-m", "mlflow", "server", "--app-name", "basic-auth", "--host", "127.0.0.1",
-                "--port", str(self.port), "--backend-store-uri", self.store,
-                "--artifacts-destination", f"s3://{BUCKET}/mlartifacts", "--workers", "2",
-                "--allowed-hosts", f"127.0.0.1:{self.port},localhost:{self.port}",
-                "--cors-allowed-origins", f"https://127.0.0.1:{self.port}", "--uvicorn-opts", tls]  # fmt: skip
+        values = {
+            "postgresql+psycopg://mlflow@127.0.0.1:5432/mlflow": self.store,
+            "<private-ip>": "127.0.0.1",
+            "mlflow.internal": "localhost",
+            ":5000": f":{self.port}",
+            "--port 5000": f"--port {self.port}",
+            # Inside --uvicorn-opts, which uvicorn splits again: quoted (a temporary folder's name has no space).
+            "/srv/mlflow/key.pem": shlex.quote(str(self.key)),
+            "/srv/mlflow/cert.pem": shlex.quote(str(self.cert)),
+        }
+        argv = doc_command("mlflow server", values)
+        assert f"s3://{BUCKET}/mlartifacts" in argv, argv  # the bucket this stack makes
+        # This interpreter's mlflow; two workers: two experiments' trials at once (dvc queue start -j 2).
+        return [sys.executable, "-m", "mlflow", *argv[1:], "--workers", "2"]
 
     def start(self) -> None:
         # AWS_MAX_ATTEMPTS=1: the server tries the bucket once per request (boto3's default is 5 tries), so a test

@@ -106,3 +106,29 @@ def test_a_causal_lm_experiment_on_two_workers_completes_and_reports_its_own_met
     assert trial.info.status == "FINISHED", trial.data.tags.get("error")
     assert trial.data.metrics["world_size"] == 2
     assert "test_exact_match" in trial.data.metrics and "test_accuracy" not in trial.data.metrics
+
+
+def test_fsdp_lora_on_two_workers_trains_through_dvc_exp_run(project_copy):
+    """`dvc exp run -S distributed.strategy=fsdp -S adapter.type=lora -S distributed.num_workers=2` on the CPU: two
+    Ray Train workers shard the frozen base and train the adapters; rank 0 saves the adapter, which evaluate scores.
+    (Its gradients against one process's: tests/pipelines/train/test_fsdp_gradients.py.)"""
+    root = project_copy
+    write_params(root, {"data.generator.num_rows": 300, "epochs": 1, "batch_size": 8, "log_every_n_steps": 1})
+    run(["git", "commit", "-qam", "small fsdp lora run"], root)
+
+    # fast_dropout off: its CPU check runs the model before sharding, so rank 1 builds on meta only without it.
+    overrides = ["distributed.strategy=fsdp", "adapter.type=lora", "distributed.num_workers=2", "fast_dropout=false"]
+    run(["dvc", "exp", "run", *(arg for o in overrides for arg in ("-S", o))], root, timeout=800)
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("finetune")
+    trial = next(r for r in client.search_runs([exp.experiment_id]) if "mlflow.parentRunId" in r.data.tags)
+    assert trial.info.status == "FINISHED", trial.data.tags.get("error")
+    assert trial.data.metrics["world_size"] == 2
+    assert trial.data.params["distributed.strategy"] == "fsdp" and trial.data.params["adapter.type"] == "lora"
+    losses = loss_curve(client, trial.info.run_id)
+    assert len(losses) > 3 and all(loss == loss for _, loss in losses)  # logged, and finite
+    assert (root / "models" / "best" / "adapter_config.json").is_file()  # rank 0 saved the adapter, not a full model
+    # Rank 1 never built the whole model: it got its shards of the base and adapters from rank 0.
+    assert trial.data.tags["fsdp.shard_loading"].startswith("1 of 2 ranks built on the meta device"), trial.data.tags
+    assert "test_accuracy" in json.loads((root / "metrics/evaluate.json").read_text())

@@ -141,7 +141,8 @@ def test_queued_experiment_lands_in_the_repository_store(project_copy: Path):
         assert parent.data.metrics[key] == display_rounded(queued[0].data.metrics[key]), key
         assert parent.data.metrics[key] == pytest.approx(queued[0].data.metrics[key], rel=1e-3), key
     assert parent.data.metrics["test_accuracy"] > 0
-    # A trial's run name says what it varies: its variant and its seed (and any searched value).
-    assert queued[0].info.run_name.startswith("default · seed "), queued[0].info.run_name
+    # A trial's run name says what it varies: what the experiment changed (the default variant), its seed (and any
+    # searched value).
+    assert queued[0].info.run_name.startswith("lr=0.002 · seed "), queued[0].info.run_name
     # ...and ends with its DVC experiment's name, so two experiments' trials are told apart in the compare view.
     assert queued[0].info.run_name.endswith(f" · {parent.data.tags['dvc_exp_name']}"), queued[0].info.run_name

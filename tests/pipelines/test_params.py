@@ -136,22 +136,28 @@ def test_train_stage_re_runs_when_any_training_param_changes():
         assert key in listed
 
 
+FSDP_KNOBS = {"reshard_after_forward": True, "cpu_offload": False}  # the whole distributed section, as params.yaml
+
+
 @pytest.mark.parametrize(
     ("changes", "expected"),
     [
         (
-            {"device": "cpu", "distributed": {"num_workers": 2, "use_gpu": True, "strategy": "ddp"}},
+            {"device": "cpu", "distributed": {"num_workers": 2, "use_gpu": True, "strategy": "ddp", **FSDP_KNOBS}},
             ("distributed.use_gpu", "device: cpu"),
         ),
         (
             {
                 "batch_size": "auto",
                 "effective_batch_size": 32,
-                "distributed": {"num_workers": 2, "use_gpu": None, "strategy": "ddp"},
+                "distributed": {"num_workers": 2, "use_gpu": None, "strategy": "ddp", **FSDP_KNOBS},
             },
             ("batch_size: auto", "distributed.num_workers"),
         ),
-        ({"distributed": {"num_workers": 0, "use_gpu": None, "strategy": "ddp"}}, ("distributed.num_workers = 0",)),
+        (
+            {"distributed": {"num_workers": 0, "use_gpu": None, "strategy": "ddp", **FSDP_KNOBS}},
+            ("distributed.num_workers = 0",),
+        ),
     ],
 )
 def test_distributed_combinations_name_both_keys(changes, expected):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import matplotlib.image as mpimg
@@ -360,3 +361,28 @@ def test_a_one_variant_run_is_compared_with_the_last_commits_best_trial(tmp_path
     # A run id the store does not have (a fresh clone's store): the run's own table, no baseline row.
     alone = build_report(client, experiment_id, experiment, out, ("0" * 32, "0123456789abcdef"))
     assert "last commit" not in alone and "| default | 45.0 s (100%)" in alone
+
+
+def test_a_search_spaces_configurations_are_rows_of_their_own_with_their_seeds_as_repeats(tmp_path: Path):
+    """A search space of two learning rates x two seeds on one variant: four trials, two configurations. Only the
+    trials that drew the same lr are repeats (`pipelines.baseline.configuration`'s rule, as the train time's interval
+    counts them); one row of n=4 would mix the two configurations into one mean."""
+    from pipelines.trials.trial import trial_overrides
+
+    client, experiment_id = open_experiment(
+        TrackingParams(uri="sqlite:///s.db", experiment="search", registered_model=None, upload_retry_s=1), tmp_path
+    )
+    parent = start_run(client, experiment_id, "train", {})
+    times = {(1e-3, 1): 60.0, (1e-3, 2): 62.0, (3e-3, 1): 40.0, (3e-3, 2): 44.0}  # the faster lr converges sooner
+    for (lr, seed), seconds in times.items():
+        config = {"variant": "vanilla", "lr": lr, "seed": seed}  # as Ray's grid over search_space draws it
+        tags = {"variant": "vanilla", "overrides": json.dumps(trial_overrides(config, {"vanilla": {}}), sort_keys=True)}
+        run_id = start_run(client, experiment_id, f"vanilla · seed {seed} · lr={lr:.3g}", tags, parent_run_id=parent)
+        client.log_metric(run_id, "train_time_s", seconds)
+        client.set_terminated(run_id, "FINISHED")
+    header, *body = comparison_table(load_rows(client, experiment_id, parent))
+    rows = {cells[0]: dict(zip(header, cells, strict=True)) for cells in body}
+    assert list(rows) == ["vanilla · lr=0.001", "vanilla · lr=0.003"]
+    # Each configuration's own seeds, by hand: mean 61.0, sd sqrt(2) = 1.4; mean 42.0, sd sqrt(8) = 2.8.
+    assert rows["vanilla · lr=0.001"]["Train time"] == "61.0 s ± 1.4 (n=2) (100%)"
+    assert rows["vanilla · lr=0.003"]["Train time"].startswith("42.0 s ± 2.8 (n=2) (69%")

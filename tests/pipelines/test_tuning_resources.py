@@ -122,6 +122,31 @@ def test_a_distributed_trials_workers_are_placed_node_by_node_beside_its_driver(
     assert workers_placed([{"CPU": 4, "GPU": 1}], gpus) == 1
 
 
+def test_more_concurrent_distributed_trials_than_their_workers_leave_room_for_is_refused(default_params):
+    """Tune starts up to max_concurrent_trials drivers first; where they hold what every worker group needs, no trial
+    ever trains. Hand-counted: 6 CPUs; 4 drivers leave 2, one group of 2 x 2 CPUs needs 4; 2 drivers leave 4."""
+    from pipelines.trials.placement import concurrency_message, drivers_leave_room, trial_ask, trials_at_once
+
+    params = tiny_params(default_params, **{"distributed.num_workers": 2, "distributed.use_gpu": False,
+                                            "tune.max_concurrent_trials": 4, "tune.num_samples": 4})  # fmt: skip
+    ask = trial_ask(params, 1, 0, 2)
+    six = [{"CPU": 6, "GPU": 0}]
+    assert trials_at_once(params) == 4
+    assert [drivers_leave_room(six, ask, k) for k in (1, 2, 3, 4)] == [True, True, False, False]
+    # Over two nodes of 4 and 2 CPUs, the drivers on the first: 2 drivers leave it 2 CPUs, a worker, and the second
+    # node holds the other; 3 drivers leave it 1 CPU, and only the second node's worker fits.
+    assert [drivers_leave_room([{"CPU": 4, "GPU": 0}, {"CPU": 2, "GPU": 0}], ask, k) for k in (1, 2, 3)] == [
+        True, True, False]  # fmt: skip
+    assert concurrency_message(params, six, ask, "10.0.0.5:6379") == (
+        "tune.max_concurrent_trials = 4 starts 4 distributed trials at once, each a driver (1 CPU) that then asks for "
+        "2 workers of 2 CPUs each; on the Ray cluster at 10.0.0.5:6379 (1 node (6 CPUs, 0 GPUs; ray.nodes())) 4 "
+        "drivers leave no room for any trial's workers, so no trial would ever start training; set "
+        "tune.max_concurrent_trials: 2, or add nodes or CPUs to the cluster"
+    )
+    # One trial in the grid: one driver, whatever the cap.
+    assert trials_at_once(tiny_params(params, **{"tune.num_samples": 1})) == 1
+
+
 @pytest.mark.timeout(300)  # before, Tune waited for the CPUs forever
 def test_a_train_stage_asking_for_more_cpus_than_any_node_has_fails_in_seconds(
     default_params, own_ray_cluster, tmp_path
@@ -147,3 +172,15 @@ def test_a_train_stage_asking_for_more_cpus_than_any_node_has_fails_in_seconds(
         f"ray.nodes()), so Ray Tune would wait for it forever; set tune.resources_per_trial.cpu: {cores}, or join a "
         "larger cluster (tune.address or RAY_ADDRESS)"
     )
+
+
+def test_a_distributed_trial_reserves_declared_gpus_per_worker_even_where_it_trains_on_the_cpu(default_params):
+    from pipelines.trials.card_share import gpus_asked
+    from pipelines.trials.resources import worker_gpus
+
+    cpu_workers = {"distributed.num_workers": 4, "device": "cpu"}
+    assert worker_gpus(tiny_params(default_params, **cpu_workers)) == 0.0  # gpu: auto, no use_gpu: none
+    declared = tiny_params(default_params, **cpu_workers, **{"tune.resources_per_trial.gpu": 1})
+    assert worker_gpus(declared) == 1.0 and gpus_asked(declared, 0.0) == 4.0  # per worker, as its cpu is
+    on_gpus = tiny_params(default_params, **{"distributed.num_workers": 4, "distributed.use_gpu": True})
+    assert worker_gpus(on_gpus) == 1.0
