@@ -11,6 +11,7 @@ stage took 3.6 minutes on this 2-core host (load average about 20), over a slow 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,9 +35,17 @@ def simulated_cluster(gpus_per_node: int, cpus_per_node: int) -> Iterator[object
 
     head = {"num_cpus": cpus_per_node, "num_gpus": gpus_per_node, "gcs_server_port": free_port(),
             "include_dashboard": False, "dashboard_agent_listen_port": free_port()}  # fmt: skip
-    simulated = Cluster(initialize_head=True, head_node_args=head)
+    # Without a token, whatever this test process did before: the nodes inherit its environment, and a test that
+    # joined a token cluster earlier in the same pytest worker leaves RAY_AUTH_MODE=token in it (Ray's own
+    # maybe_enable_token_auth_if_token_available), which the stage, run with RAY_AUTH_MODE=disabled, cannot reach.
+    before = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
     try:
+        simulated = Cluster(initialize_head=True, head_node_args=head)
         simulated.add_node(num_cpus=cpus_per_node, num_gpus=gpus_per_node)
+    finally:
+        os.environ.pop("RAY_AUTH_MODE") if before is None else os.environ.__setitem__("RAY_AUTH_MODE", before)
+    try:
         yield simulated
     finally:
         simulated.shutdown()

@@ -80,8 +80,12 @@ def test_the_hows_stop_ends_its_node_and_leaves_another_ray_running(tmp_path: Pa
         status = ["ray", "status", "--address", f"127.0.0.1:{port}"]
         refused = subprocess.run(status, env=env, capture_output=True, text=True, timeout=120)
         assert refused.returncode != 0 and "InvalidAuthToken" in refused.stdout + refused.stderr
-        shown = subprocess.run(status, env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True, text=True,
-                               timeout=120)  # fmt: skip
+        for _ in range(30):  # a node just started answers "No cluster status" until its services report (a loaded host)
+            shown = subprocess.run(status, env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True, text=True,
+                                   timeout=120)  # fmt: skip
+            if shown.returncode != 0 or "No cluster status" not in shown.stdout:
+                break
+            time.sleep(2)
         assert shown.returncode == 0 and "Resources" in shown.stdout, shown.stdout + shown.stderr
         subprocess.run(["bash", "-c", stop], cwd=tmp_path, env=env, check=True, timeout=60)
         for _ in range(100):  # SIGKILLed processes leave once the kernel has reaped them
