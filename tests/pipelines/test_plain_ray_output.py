@@ -54,5 +54,7 @@ def test_ray_workers_lines_have_no_colour_codes_in_captured_output():
     # Ray's prefix is there, plain: before, `\x1b[36m(Speaker pid=1234)\x1b[0m a line ...`.
     assert [line.startswith("(Speaker pid=") for line in lines if any(m in line for m in MARKERS)] == [True, True]
     # And its deduplication's line, plain: before, `... \x1b[32m [repeated 2x across cluster]\x1b[0m`.
-    assert printed.count("[repeated 2x across cluster]") == 2, printed
+    # How many lines Ray folds depends on when each reaches its aggregation window (a loaded CI host folded one of
+    # the two): at least one, and every one plain (the colour check above covers the whole output).
+    assert printed.count("[repeated 2x across cluster]") >= 1, printed
     assert "\x1b[" not in printed, printed
