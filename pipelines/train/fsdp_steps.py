@@ -26,13 +26,40 @@ every reduced gradient to one process's on the same global batch, and shows a su
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from pipelines.train.parallel import ParallelConfig
+from pipelines.params import Params
+from pipelines.runtime import ResolvedPrecision
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """What the parallelizing steps read: the world, where it computes, in which precision, and the FSDP knobs."""
+
+    world_size: int
+    device: torch.device
+    precision: ResolvedPrecision  # resolved: fp32, bf16 or fp16
+    grad_checkpointing: bool = False
+    grad_checkpointing_every: int = 1
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+
+    @classmethod
+    def of(cls, params: Params, precision: ResolvedPrecision, device: torch.device, world_size: int) -> ParallelConfig:
+        """The config of a run of `params` on `device`, `precision` already resolved."""
+        return cls(
+            world_size=world_size,
+            device=device,
+            precision=precision,
+            grad_checkpointing=params.grad_checkpointing,
+            grad_checkpointing_every=params.grad_checkpointing_every,
+            reshard_after_forward=params.distributed.reshard_after_forward,
+            cpu_offload=params.distributed.cpu_offload,
+        )
+
 
 # What a 16-bit run computes its matmuls in (and stores its frozen weights in).
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

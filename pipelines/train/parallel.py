@@ -17,15 +17,18 @@ meta device (built without storage, for each rank to load only its shard) is sha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from pipelines.params import Params
-from pipelines.runtime import ResolvedPrecision
-from pipelines.train.fsdp_steps import apply_fsdp, gather_full_weights, on_meta_device, sharding_units
+from pipelines.train.fsdp_steps import (
+    ParallelConfig,
+    apply_fsdp,
+    gather_full_weights,
+    on_meta_device,
+    sharding_units,
+)
 
 __all__ = [
     "ParallelConfig",
@@ -41,32 +44,6 @@ __all__ = [
 def uses_fsdp(params: Params, world_size: int) -> bool:
     """FSDP when asked for and there is more than one worker to shard over."""
     return params.distributed.strategy == "fsdp" and world_size > 1
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """What the parallelizing steps read: the world, where it computes, in which precision, and the FSDP knobs."""
-
-    world_size: int
-    device: torch.device
-    precision: ResolvedPrecision  # resolved: fp32, bf16 or fp16
-    grad_checkpointing: bool = False
-    grad_checkpointing_every: int = 1
-    reshard_after_forward: bool = True
-    cpu_offload: bool = False
-
-    @classmethod
-    def of(cls, params: Params, precision: ResolvedPrecision, device: torch.device, world_size: int) -> ParallelConfig:
-        """The config of a run of `params` on `device`, `precision` already resolved."""
-        return cls(
-            world_size=world_size,
-            device=device,
-            precision=precision,
-            grad_checkpointing=params.grad_checkpointing,
-            grad_checkpointing_every=params.grad_checkpointing_every,
-            reshard_after_forward=params.distributed.reshard_after_forward,
-            cpu_offload=params.distributed.cpu_offload,
-        )
 
 
 def apply_checkpointing(model: nn.Module, config: ParallelConfig) -> nn.Module:
