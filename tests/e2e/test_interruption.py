@@ -23,6 +23,9 @@ from tests.conftest import git_env, kill_session, run, write_params
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 SETTINGS = {"data.generator.num_rows": 3000, "epochs": 2, "checkpoint_every_n_steps": 20, "log_every_n_steps": 5}
+# Interrupted at the first checkpoint (step 20): a training long after it, so that a loaded CI host cannot reach its
+# end (and discard the checkpoint as finished) before the signal lands; stopped at step 20, it costs them nothing.
+LONG = {**SETTINGS, "epochs": 12}
 
 
 def test_kill_9_mid_train_then_repro_resumes_to_the_same_metrics(
@@ -69,7 +72,7 @@ def test_kill_9_mid_train_then_repro_resumes_to_the_same_metrics(
 def test_ctrl_c_mid_train_ends_with_one_line_keeps_the_checkpoint_and_leaves_no_lock(
     project_copy: Path, own_ray_cluster: None
 ):
-    write_params(project_copy, SETTINGS)
+    write_params(project_copy, LONG)
     run([sys.executable, "-m", "stages.tokenize"], project_copy)
     checkpoints = project_copy / "checkpoints"
     proc = subprocess.Popen(
@@ -115,7 +118,7 @@ def test_dvc_ended_under_its_train_stage_stops_the_stage_as_at_a_ctrl_c(
 ):
     # DVC ignores SIGINT while a stage runs (it counts on Ctrl-C reaching the whole process group); `kill <dvc>`
     # (SIGTERM) ended DVC alone, and its train stage trained on, orphaned, writing into the workspace.
-    write_params(project_copy, SETTINGS)
+    write_params(project_copy, LONG)
     run(["git", "commit", "-qam", "settings"], project_copy)
     checkpoints = project_copy / "checkpoints"
     log = tmp_path / "dvc.log"
@@ -134,6 +137,7 @@ def test_dvc_ended_under_its_train_stage_stops_the_stage_as_at_a_ctrl_c(
     finally:
         kill_session(dvc.pid)  # anything left of the stage and its Ray cluster; nothing else
     lines = log.read_text().strip().splitlines()
+    assert list(checkpoints.glob("*/checkpoint.pt")), lines  # the one the next run resumes from
     assert lines[-1] == f"interrupted; rerun the same command to resume from step {kept_step(checkpoints)}", lines
     assert not list(checkpoints.glob("*/.lock")), sorted(checkpoints.rglob("*"))
     client = MlflowClient(tracking_uri=f"sqlite:///{project_copy / 'mlflow.db'}")
