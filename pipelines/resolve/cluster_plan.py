@@ -4,12 +4,13 @@ that fits, with the `-S` overrides that run it.
 For each trained configuration (full fine-tuning, LoRA, QLoRA; with and without activation checkpointing) the
 whole model's step is planned once on one worker's card (`pipelines.resolve.memory_plan`, by depth for a deep stack:
 `pipelines.resolve.plan_depth`), with the per-GPU batch as written; each strategy (DDP; FSDP; FSDP without
-resharding; FSDP with CPU offload) is then arithmetic on that plan and the model's units
-(`pipelines.resolve.sharding_plan`). The units come from the two shallow plans a deep plan is made of anyway (one
-block's bytes is the difference between them), so a 70B-shaped model costs a few shallow plans, not a fake trace
-at full depth. An FSDP run resolves `loss_impl: auto` to the full loss (the chunked one is refused with FSDP), so its
-base plan has the full loss; DDP's keeps the params' own, and is skipped where the weights, gradients and optimizer
-state alone exceed the card (it is then over by at least that, and the row says so from the FSDP base's figures).
+resharding; FSDP with CPU offload) is then read off that plan and the model's units (`pipelines.resolve.
+sharding_plan`: DDP's copies by arithmetic, an FSDP worker's peak from the traced steps' moments). The units come
+from the two shallow plans a deep plan is made of anyway (one block's bytes is the difference between them), so a
+70B-shaped model costs a few shallow plans, not a fake trace at full depth. An FSDP run resolves `loss_impl: auto`
+to the full loss (the chunked one is refused with FSDP), so its base plan has the full loss; DDP's keeps the params'
+own, and is skipped where the weights, gradients and optimizer state alone exceed the card (it is then over by at
+least that, and the row says so from the FSDP base's figures).
 
 The recommendation follows the single-card search's order: the adapter as written if any strategy fits it, else
 LoRA, else QLoRA (they change what is trained); within that, the shortest predicted step.
@@ -93,7 +94,7 @@ def unit_planner(
             rng = torch.get_rng_state()
             try:
                 compute = 2 if target.card is not None and target.precision(params) != "fp32" else 4
-                cache[key] = _with_units(params, at_depth, build, task.stacked_layers(params, root), compute)
+                cache[key] = with_units(params, at_depth, build, task.stacked_layers(params, root), compute)
             finally:
                 torch.set_rng_state(rng)
         return cache[key]
@@ -101,7 +102,7 @@ def unit_planner(
     return plan
 
 
-def _with_units(
+def with_units(
     params: Params, at_depth: Callable[[int | None], MemoryPlan], build: Callable[[int | None], torch.nn.Module],
     layers: int | None, compute_bytes: int,
 ) -> tuple[MemoryPlan, ModelUnits]:  # fmt: skip
@@ -112,10 +113,12 @@ def _with_units(
     if depths is not None:
         shallow, deeper = at_depth(depths[0]), at_depth(depths[1])
         whole = extrapolate(shallow, deeper, depths, layers)  # type: ignore[arg-type]
+        traced = ((depths[0], shallow.moments), (depths[1], deeper.moments))
     else:
         whole = at_depth(None)
         depths = (1, 2) if layers and layers >= 2 else None
         shallow, deeper = (at_depth(1), at_depth(2)) if depths else (whole, whole)
+        traced = ((layers or 1, whole.moments),)
     a, b = depths or (0, 1)
     block, trained = (deeper.parameters - shallow.parameters) // (b - a), (
         deeper.trainable_parameters - shallow.trainable_parameters) // (b - a)  # fmt: skip
@@ -129,6 +132,7 @@ def _with_units(
         root_trainable=shallow.trainable_parameters - a * trained if depths else 0,
         weights=counts[0] + per_block * ((layers or 1) - a), compute_bytes=compute_bytes,
         trainable_bytes=2 if params.weights_dtype == "bf16" else 4,
+        traced=traced,
     )  # fmt: skip
     return replace(whole, plan_time_s=time.perf_counter() - start), units
 

@@ -20,29 +20,66 @@ from pipelines.train.step import TrainStep
 CPU = torch.device("cpu")
 
 
-class ShardedTimeline:
-    """One FSDP worker's peak, read off the whole model's fake step op by op (`track_step`'s `watch`).
+Point = tuple[int, int, int, int]  # a step's moment: (unshardable bytes, shardable bytes, gradients, updating 0/1)
 
-    A worker holds 1/`workers` of the weights, of the gradients alive at that moment and of the optimizer state, and,
-    while forwards and backwards run, the `gathered` units whole (`memory_plan.fsdp_gathered_bytes`); the update
-    steps on shards (its temporaries, which MemTracker counts as optimizer state, are 1/`workers` too), and nothing
-    is gathered then (FSDP2 reshards every unit after the backward). Its peak is the highest such point: it can fall
-    at another moment than the whole model's (mid-backward, activations alive, where one worker's state is small),
-    which no correction of that peak captures (tests/pipelines/test_plan_multiprocess.py: within 5% of gloo ranks).
+
+class StepTimeline:
+    """The whole model's fake step op by op (`track_step`'s `watch`), kept as the moments that can be any FSDP
+    worker's peak: what a worker of N holds then is `WorkerPeak.at`.
+
+    A worker holds 1/N of the weights, of the gradients alive at that moment and of the optimizer state, and, while
+    forwards and backwards run, the gathered units whole; the update steps on shards (its temporaries, which
+    MemTracker counts as optimizer state, are 1/N too), and nothing is gathered then (FSDP2 reshards every unit after
+    the backward). The peak can fall at another moment than the whole model's (mid-backward, activations alive, where
+    one worker's state is small), which no correction of that peak captures (tests/pipelines/test_plan_multiprocess.py:
+    within 5% of gloo ranks). Only moments that no other moment of the same phase exceeds in both the unshardable
+    and the shardable bytes are kept: whatever N and the gathered bytes, one of them is the worker's peak.
     """
 
-    def __init__(self, workers: int, gathered: int, kernels: KernelCounter) -> None:
-        self.workers, self.gathered, self._kernels = workers, gathered, kernels
-        self.peak, self.gradients = 0, 0  # one worker's peak, and its gradients' bytes then
+    def __init__(self, kernels: KernelCounter) -> None:
+        self._kernels = kernels
+        self._points: list[Point] = []
 
     def __call__(self, kinds: dict[str, int]) -> None:
-        """One point of the timeline: the whole model's bytes by MemTracker kind."""
-        updating = self._kernels.current == "update"
-        # MemTracker counts the update's own allocations (foreach temporaries) as optimizer state: sharded too.
+        """One moment: the whole model's bytes by MemTracker kind."""
         shardable = sum(kinds.get(k, 0) for k in ("Parameter", "Gradient", "Optstate"))
-        held = kinds.get("Total", 0) - shardable + shardable // self.workers + (0 if updating else self.gathered)
-        if held > self.peak:
-            self.peak, self.gradients = held, kinds.get("Gradient", 0) // self.workers
+        updating = int(self._kernels.current == "update")
+        self._points.append((kinds.get("Total", 0) - shardable, shardable, kinds.get("Gradient", 0), updating))
+
+    def moments(self) -> tuple[Point, ...]:
+        """The moments that can set a worker's peak (see the class)."""
+        kept: list[Point] = []
+        for phase in (0, 1):
+            most_shardable = -1
+            for point in sorted({p for p in self._points if p[3] == phase}, key=lambda p: (-p[0], -p[1])):
+                if point[1] > most_shardable:  # no moment with as much unshardable memory has more shardable
+                    kept.append(point)
+                    most_shardable = point[1]
+        return tuple(kept)
+
+
+@dataclass(frozen=True)
+class WorkerPeak:
+    """One FSDP worker's peak and its parts: its shard of weights, gradients and state then, the units it holds
+    gathered then, and the rest (activations and temporaries); its gradients' bytes then."""
+
+    peak: int
+    resident: int
+    gathered: int
+    working: int
+    gradients: int
+
+    @staticmethod
+    def at(moments: tuple[Point, ...], workers: int, gathered: int, offloaded: bool = False) -> WorkerPeak:
+        """The highest of `moments` for one worker of `workers`, holding `gathered` bytes of whole units while the
+        forwards and backwards run; `offloaded`: its shards live in host RAM (FSDP's CPU offload)."""
+        best = WorkerPeak(0, 0, 0, 0, 0)
+        for unshardable, shardable, gradients, updating in moments:
+            resident = 0 if offloaded else shardable // workers
+            whole = 0 if updating else gathered
+            if unshardable + resident + whole > best.peak:
+                best = WorkerPeak(unshardable + resident + whole, resident, whole, unshardable, gradients // workers)
+        return best
 
 
 def track_counting_flops(
@@ -100,13 +137,13 @@ def _marked(recompute: AbstractContextManager[object]) -> Iterator[None]:
 @dataclass(frozen=True)
 class PhasedStep:
     """The plan's step with its ops counted by phase: forwards and backwards (`accumulate`), then the update; and
-    what watches its tracked run op by op (one FSDP worker's `ShardedTimeline`), where anything does."""
+    what watches its tracked run op by op (`StepTimeline`, for the FSDP workers' peaks), where anything does."""
 
     step: TrainStep
     batches: list[dict[str, torch.Tensor]]
     units: float
     kernels: KernelCounter
-    watch: ShardedTimeline | None = None
+    watch: StepTimeline | None = None
 
     def __call__(self, meter: object | None) -> None:
         """One optimizer step of the window (`meter`: the tracker's per-micro-batch reset, or None)."""

@@ -22,7 +22,7 @@ import functools
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -42,7 +42,9 @@ from pipelines.params import Params
 from pipelines.repeats import counted_repeats
 from pipelines.resolve.counted_step import (
     PhasedStep,
-    ShardedTimeline,
+    Point,
+    StepTimeline,
+    WorkerPeak,
     marking_recompute,
     track_counting_flops,
     window_kernels,
@@ -105,6 +107,8 @@ class MemoryPlan:
     mean_positions: float = 0.0  # positions of the epoch's average window (the planned one is the longest)
     cuda_graph_pool: int = 0  # a compiled CUDA step's graph pool, in `peak` (resolve/cuda_plan.cuda_graph_pool)
     peak_gradients: int = 0  # gradients alive at the peak: fewer than `gradients` when it comes mid-backward
+    # The step's moments that can be an FSDP worker's peak (counted_step.StepTimeline); none in a plan by depth.
+    moments: tuple[Point, ...] = field(default=(), repr=False)
 
     def as_metrics(self) -> dict[str, float]:
         """MLflow names: `predicted_*`, beside the measured `peak_train_memory_bytes` and its breakdown."""
@@ -127,17 +131,18 @@ class MemoryPlan:
         """Model FLOPs (no recompute) per (padded) position of the planned window: scales a run's FLOPs by positions."""
         return self.model_flops / max(self.positions, 1)
 
-    def sharded(self, workers: int, timeline: ShardedTimeline) -> MemoryPlan:
+    def sharded(self, workers: int, gathered: int) -> MemoryPlan:
         """One FSDP worker's plan: weights, gradients and optimizer state divided by `workers`, its peak the highest
-        point of the step's `timeline` (counted_step.ShardedTimeline: the gathered units added while they are)."""
+        of the step's `moments` for one worker holding `gathered` bytes of whole units (`fsdp_gathered_bytes`)."""
+        worker = WorkerPeak.at(self.moments, workers, gathered)
         return replace(
             self,
-            peak=timeline.peak + self.cuda_graph_pool,
+            peak=worker.peak + self.cuda_graph_pool,
             parameters=self.parameters // workers,
             trainable_parameters=self.trainable_parameters // workers,
             gradients=self.gradients // workers,
             optimizer_state=self.optimizer_state // workers,
-            peak_gradients=timeline.gradients,
+            peak_gradients=worker.gradients,
         )
 
 
@@ -354,8 +359,8 @@ def plan_memory(
         cpu_dropout = params.fast_dropout and params.compile is not True and target.card is None
         kernels = KernelCounter()
         workers = params.distributed.num_workers if params.distributed.strategy == "fsdp" else 1
-        compute = 2 if precision in ("bf16", "fp16") else 4
-        timeline = ShardedTimeline(workers, fsdp_gathered_bytes(model, compute), kernels) if workers > 1 else None
+        gathered = fsdp_gathered_bytes(model, 2 if precision in ("bf16", "fp16") else 4) if workers > 1 else 0
+        timeline = StepTimeline(kernels)
         with fast_dropout(model) if cpu_dropout else nullcontext(), target.rules():
             counted = PhasedStep(train_step, batches, units, kernels, timeline)
             peak, step_flops, model_flops = track_counting_flops(counted, model, optimizer, params.grad_checkpointing,
@@ -385,5 +390,6 @@ def plan_memory(
         step_kernels=window_kernels(kernels, len(window), len(batches)),
         update_kernels=kernels.count("update", step=1),
         micro_batches=len(window), mean_positions=mean_positions, cuda_graph_pool=pool, peak_gradients=peak.gradients,
+        moments=timeline.moments(),
     )  # fmt: skip
-    return plan if timeline is None else plan.sharded(workers, timeline)
+    return plan if workers == 1 else plan.sharded(workers, gathered)

@@ -50,7 +50,8 @@ def extrapolate(shallow: MemoryPlan, deeper: MemoryPlan, depths: tuple[int, int]
     # Generation's two phases grow at their own rates (its last step holds the whole cache): the larger at `layers`
     # need not be the larger at the planned depths.
     phases = tuple(grow(x, y) for x, y in zip(shallow.generation_phases, deeper.generation_phases, strict=True))
-    return replace(shallow, **grown, generation_phases=phases, generation_peak=max(phases),
+    # The step's moments do not extrapolate one by one: a cluster plan reads the workers' peaks at both depths.
+    return replace(shallow, **grown, generation_phases=phases, generation_peak=max(phases), moments=(),
                    plan_time_s=shallow.plan_time_s + deeper.plan_time_s)  # fmt: skip
 
 

@@ -44,6 +44,8 @@ class TargetPlan:
         """The entry of metrics/plan.json."""
         entry = asdict(self)
         entry["plan"] = None if self.plan is None else asdict(self.plan)
+        if entry["plan"] is not None:
+            del entry["plan"]["moments"]  # the fake step's candidate peaks: internal to the cluster plan
         return entry
 
 

@@ -64,6 +64,9 @@ def as_qlora(plan: object, base: nn.Module, compute_bytes: int, stored_bytes: in
     evaluation = {  # the evaluation peaks of the unquantized trace, for a plan that has them
         key: quantized(getattr(plan, key)) for key in ("eval_peak", "generation_peak") if hasattr(plan, key)
     }
+    if hasattr(plan, "moments"):  # the frozen weights are sharded (smaller), the de-quantized one is not
+        evaluation["moments"] = tuple((unshardable + (0 if updating else temporary), shardable - saved, gradients,
+                                       updating) for unshardable, shardable, gradients, updating in plan.moments)  # type: ignore[attr-defined]  # fmt: skip
     if hasattr(plan, "generation_phases"):
         evaluation["generation_phases"] = tuple(quantized(phase) for phase in plan.generation_phases)  # type: ignore[attr-defined]
     return replace(plan, peak=plan.peak - saved + temporary, parameters=plan.parameters - saved, **evaluation)  # type: ignore[type-var]

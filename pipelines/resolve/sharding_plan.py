@@ -23,10 +23,13 @@ transformer blocks and the root: embeddings, head, final norm; `ModelUnits`), as
   is copied to the GPU before its all-gather and its gradient back after the reduce-scatter (over PCIe, hidden like
   the collectives), and the optimizer steps on the host (`HOST_OPTIMIZER_PARAMS_PER_S`, an assumption).
 
-Which moment sets the peak can change with the sharding: a full fine-tune's single-GPU peak is its optimizer
-step (every gradient beside the state, plus the update's temporaries), which shrinks with the shards, while the
-activations' moment (mid-backward) does not; so a sharded GPU's working bytes are the larger of the plan's
-activations and its step's temporaries divided by the workers. Gradients are counted whole (all alive at the step).
+Which moment sets the peak changes with the sharding: a full fine-tune's single-GPU peak is its optimizer step
+(every gradient beside the state, plus the update's temporaries), which shrinks with the shards, while the
+activations' moment (mid-backward, some gradients alive) does not. So an FSDP worker's peak is not arithmetic on the
+single-GPU peak's parts (that summed maxima of different moments: 5-12% above gloo ranks' measured peaks); it is
+read off the traced step op by op (`fsdp_worker_peak`: the moments of `counted_step.StepTimeline`, each with its
+shard and the strategy's gathered units), as the trial's own FSDP plan reads it (`MemoryPlan.sharded`; both held
+against 2 and 4 gloo ranks in tests/pipelines/test_plan_multiprocess.py).
 
 The reserve beside the peak is the card's (`GpuProfile.reserve_bytes`: CUDA context and allocator slack). The
 largest per-GPU batch scales the working bytes' activations with the rows (activations grow with rows x width; the
@@ -35,9 +38,10 @@ width is fixed), which the single-card plans are linear in (checked in tests/pip
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 from pipelines.resolve.cluster import Cluster
+from pipelines.resolve.counted_step import Point, WorkerPeak
 from pipelines.resolve.interconnects import HOST_OPTIMIZER_PARAMS_PER_S
 from pipelines.resolve.memory_plan import MemoryPlan
 
@@ -59,6 +63,9 @@ class ModelUnits:
     weights: int  # every weight of the model (its element count): what loading it reads
     compute_bytes: int  # 2 under bf16/fp16 (FSDP gathers in the compute dtype), else 4
     trainable_bytes: int  # 4 (fp32 masters) or 2 (weights_dtype: bf16)
+    # The fake steps traced (blocks, and their moments that can be a worker's peak: counted_step.StepTimeline): the
+    # whole model's, or two shallow depths' for a plan by depth.
+    traced: tuple[tuple[int, tuple[Point, ...]], ...] = field(default=(), repr=False)
 
     def _gathered(self, stored: int, trainable: int) -> int:
         return stored - trainable + trainable * self.compute_bytes // self.trainable_bytes
@@ -122,10 +129,9 @@ STRATEGIES = (Strategy("ddp"), Strategy("fsdp"), Strategy("fsdp", reshard_after_
 class GpuShare:
     """One GPU's predicted peak in parts (bytes), its node's host RAM, whether it fits, and its step time."""
 
-    resident: int  # this GPU's weights, gradients and optimizer state (its shard under FSDP; 0 offloaded)
-    gathered: int  # units held whole at once (FSDP), or DDP's gradient buckets
-    working: int  # beyond weights, gradients and state at the peak (the single-card plan's, per-GPU batch; sharded:
-    # the larger of its activations' peak and its optimizer step's temporaries, divided by the workers)
+    resident: int  # this GPU's weights, gradients and optimizer state at the peak (its shard under FSDP; 0 offloaded)
+    gathered: int  # units held whole at the peak (FSDP; 0 when it falls in the update), or DDP's gradient buckets
+    working: int  # beyond weights, gradients and state at the peak: activations and temporaries
     peak: int
     reserve: int
     room: int  # bytes to spare on the card, reserve counted (negative: over)
@@ -152,19 +158,13 @@ def share_of_gpu(
     micro-batch) under `strategy`, with `compute_s` of arithmetic and launches per optimizer step."""
     workers, card = cluster.workers, cluster.card
     whole = base.parameters + base.gradients + base.optimizer_state
-    # Beyond every weight, gradient and state tensor: the activations' moment, or the optimizer step's temporaries
-    # (a full fine-tune's step holds every gradient beside the state). Never below `whole`: the update holds it all.
-    extra = max(0, base.peak - whole)
     if strategy.name == "ddp" or workers == 1:
-        resident, gathered, working = whole, (base.gradients if workers > 1 else 0), extra
+        # Beyond every weight, gradient and state tensor: the activations' moment, or the optimizer step's
+        # temporaries (a full fine-tune's step holds every gradient beside the state).
+        resident, gathered, working = whole, (base.gradients if workers > 1 else 0), max(0, base.peak - whole)
     else:
-        held = units.all_gathered if not strategy.reshard_after_forward else 2 * units.block_gathered
-        gathered = units.root_gathered + held + units.block_gradient
-        resident = 0 if strategy.cpu_offload else -(-whole // workers)
-        gathered += units.block_params // workers if strategy.cpu_offload else 0  # a unit's shard copied in
-        # Sharding can move the peak: the optimizer step's temporaries shrink with the shards (and leave the GPU
-        # with CPU offload), the activations do not.
-        working = max(base.activations, 0 if strategy.cpu_offload else extra // workers)
+        worker = fsdp_worker_peak(units, workers, strategy)
+        resident, gathered, working = worker.resident, worker.gathered, worker.working
     peak = resident + gathered + working
     largest = _largest_batch(peak, base.activations / max(rows, 1), rows, card.budget_bytes())
     offloaded = cluster.gpus_per_node * -(-(base.parameters + base.gradients + base.optimizer_state) // workers)
@@ -176,6 +176,30 @@ def share_of_gpu(
         host_loading=cluster.gpus_per_node * units.weights * 4, compute_s=compute_s, collective_bytes=sent,
         collective_s=collective_s, host_copy_s=copy_s, exposed_s=exposed, step_s=compute_s + exposed,
     )  # fmt: skip
+
+
+def fsdp_worker_peak(units: ModelUnits, workers: int, strategy: Strategy) -> WorkerPeak:
+    """One FSDP worker's peak in parts, read off the traced steps' moments (`counted_step.WorkerPeak`): the highest
+    moment once the shards are 1/`workers` and the strategy's units are held whole through forward and backward (the
+    root, two blocks or, without resharding, every block, and one block's gradient; under CPU offload no shard, and a
+    unit's shard copied in). Traced at two shallow depths, each part grows linearly to the model's."""
+
+    def at(depth: int, moments: tuple[Point, ...]) -> WorkerPeak:
+        held = units.root_gathered + depth * units.block_gathered if not strategy.reshard_after_forward else (
+            units.root_gathered + 2 * units.block_gathered)  # fmt: skip
+        held += units.block_gradient + (units.block_params // workers if strategy.cpu_offload else 0)
+        return WorkerPeak.at(moments, workers, held, offloaded=strategy.cpu_offload)
+
+    peaks = [(depth, at(depth, moments)) for depth, moments in units.traced]
+    if len(peaks) == 1:
+        return peaks[0][1]
+    (a, shallow), (b, deeper) = peaks
+
+    def grow(name: str) -> int:
+        at_a, at_b = getattr(shallow, name), getattr(deeper, name)
+        return round(at_a + (at_b - at_a) / (b - a) * (units.layers - a))
+
+    return WorkerPeak(**{part.name: grow(part.name) for part in fields(WorkerPeak)})
 
 
 def _largest_batch(peak: int, per_row: float, rows: int, budget: int) -> int:
