@@ -45,6 +45,10 @@ def extrapolate(shallow: MemoryPlan, deeper: MemoryPlan, depths: tuple[int, int]
         return round(at_a + (at_b - at_a) / (b - a) * (layers - a))
 
     grown = {name: grow(getattr(shallow, name), getattr(deeper, name)) for name in PER_BLOCK}
+    # The peak is the larger of moments that grow at different rates (activations early, the optimizer step late):
+    # a line through two shallow peaks can pass below the deep model's update, which holds every weight, gradient
+    # and state tensor at once. That sum is a floor the extrapolated peak may not undercut.
+    grown["peak"] = max(grown["peak"], grown["parameters"] + grown["gradients"] + grown["optimizer_state"])
     if shallow.target != "cpu":
         grown["peak"] = -(-grown["peak"] // ALLOCATION_BLOCK) * ALLOCATION_BLOCK
     # Generation's two phases grow at their own rates (its last step holds the whole cache): the larger at `layers`

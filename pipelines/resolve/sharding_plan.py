@@ -165,6 +165,9 @@ def share_of_gpu(
     else:
         worker = fsdp_worker_peak(units, workers, strategy)
         resident, gathered, working = worker.resident, worker.gathered, worker.working
+        shard = 0 if strategy.cpu_offload else -(-whole // workers)
+        if resident + gathered + working < shard:  # extrapolated below the update, which holds the whole shard
+            resident, gathered, working = shard, 0, 0
     peak = resident + gathered + working
     largest = _largest_batch(peak, base.activations / max(rows, 1), rows, card.budget_bytes())
     offloaded = cluster.gpus_per_node * -(-(base.parameters + base.gradients + base.optimizer_state) // workers)

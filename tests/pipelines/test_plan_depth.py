@@ -65,6 +65,24 @@ def test_a_shallow_or_unknown_depth_is_planned_whole():
     assert calls == [None]
 
 
+def test_an_extrapolated_peak_never_falls_below_the_weights_gradients_and_state_it_holds_at_the_update():
+    from pipelines.resolve.memory_plan import MemoryPlan
+    from pipelines.resolve.plan_depth import extrapolate
+
+    def at(blocks: int) -> MemoryPlan:
+        # Hand-made: 100 MB of logits (and 10 MB more) beside half of the blocks' weights, gradients and state (10 MB
+        # a block in all, held whole only at the update): 115 and 120 MB at 1 and 2 blocks.
+        held = 10_000_000 * blocks
+        return MemoryPlan(peak=100_000_000 + held // 2 + 10_000_000, parameters=held // 2, trainable_parameters=0,
+                          gradients=held // 4, optimizer_state=held // 4, activations=100_000_000, batch_rows=1,
+                          batch_width=1, plan_time_s=0.0)  # fmt: skip
+
+    # By hand: the line through 115 and 120 MB (5 MB a block) reaches 195 MB at 17 blocks, above the 170 MB held at
+    # the update; at 100 blocks it reaches 610 MB, below the 1,000 MB held at the update: the floor.
+    assert extrapolate(at(1), at(2), (1, 2), 17).peak == 195_000_000
+    assert extrapolate(at(1), at(2), (1, 2), 100).peak == 1_000_000_000
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_the_chunked_loss_planned_from_two_chunks_is_the_plan_of_every_chunk(
     default_params, monkeypatch, checkpointing
