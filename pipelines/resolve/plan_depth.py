@@ -26,7 +26,8 @@ from pipelines.resolve.memory_plan import MemoryPlan
 WHOLE_UP_TO = 8  # blocks: planned whole, as before (a shallow model's plan is quick anyway)
 # Figures that grow with the blocks; the rest describe the batch or the target and are the same at any depth.
 PER_BLOCK = ("peak", "parameters", "trainable_parameters", "gradients", "optimizer_state", "activations",
-             "step_flops", "model_flops", "eval_peak", "step_kernels", "update_kernels", "peak_gradients")  # fmt: skip
+             "step_flops", "model_flops", "eval_peak", "step_kernels", "update_kernels", "peak_gradients",
+             "peak_before_update", "state_before_update")  # fmt: skip
 ALLOCATION_BLOCK = 512  # a card's allocations round to 512 bytes (resolve/cuda_plan): so does the extrapolated peak
 
 
@@ -46,9 +47,11 @@ def extrapolate(shallow: MemoryPlan, deeper: MemoryPlan, depths: tuple[int, int]
 
     grown = {name: grow(getattr(shallow, name), getattr(deeper, name)) for name in PER_BLOCK}
     # The peak is the larger of moments that grow at different rates (activations early, the optimizer step late):
-    # a line through two shallow peaks can pass below the deep model's update, which holds every weight, gradient
-    # and state tensor at once. That sum is a floor the extrapolated peak may not undercut.
-    grown["peak"] = max(grown["peak"], grown["parameters"] + grown["gradients"] + grown["optimizer_state"])
+    # a line through two shallow peaks can pass below either at depth, so neither is undercut: the forwards' and
+    # backwards' own highest moment, grown on its own line, and the update, which holds every weight, gradient and
+    # state tensor at once.
+    floor = grown["parameters"] + grown["gradients"] + grown["optimizer_state"]
+    grown["peak"] = max(grown["peak"], grown["peak_before_update"], floor)
     if shallow.target != "cpu":
         grown["peak"] = -(-grown["peak"] // ALLOCATION_BLOCK) * ALLOCATION_BLOCK
     # Generation's two phases grow at their own rates (its last step holds the whole cache): the larger at `layers`

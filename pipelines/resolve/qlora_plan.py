@@ -61,8 +61,10 @@ def as_qlora(plan: object, base: nn.Module, compute_bytes: int, stored_bytes: in
     def quantized(peak: int) -> int:  # evaluation holds the same base, quantized alike (0: not planned)
         return peak - saved + temporary if peak else 0
 
-    evaluation = {  # the evaluation peaks of the unquantized trace, for a plan that has them
-        key: quantized(getattr(plan, key)) for key in ("eval_peak", "generation_peak") if hasattr(plan, key)
+    evaluation = {  # the evaluation peaks and the step's before its update, of the unquantized trace, where planned
+        key: quantized(getattr(plan, key))
+        for key in ("eval_peak", "generation_peak", "peak_before_update")
+        if hasattr(plan, key)
     }
     if hasattr(plan, "moments"):  # the frozen weights are sharded (smaller), the de-quantized one is not
         evaluation["moments"] = tuple((unshardable + (0 if updating else temporary), shardable - saved, gradients,
