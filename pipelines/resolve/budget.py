@@ -27,7 +27,9 @@ Ties go to the larger micro-batch (fewer, fuller kernels), then to the fewest ch
 Leaner checkpointing is planned only while the setting before it does not fit at the full micro-batch (it
 only adds recompute FLOPs), and the leanest plans (the refusal) only when the fastest candidate does not fit. A
 candidate whose weights alone are over the budget, by a plan of the same adapter in as narrow a precision, is not
-planned (the weights do not depend on the optimizer, micro-batch or checkpointing).
+planned (the weights do not depend on the optimizer, micro-batch or checkpointing), and neither is a lean
+optimizer's candidate that the written optimizer's plan of it shows cannot fit (`search_plans`: the same forwards
+and backwards, another state).
 
 The search runs for a `PlanTarget` (pipelines.resolve.target): where the trial trains, or a named card from any
 machine (`python -m stages.plan`); 8-bit AdamW is offered on a card (planned by rule) when bitsandbytes is

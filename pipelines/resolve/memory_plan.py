@@ -107,12 +107,9 @@ class MemoryPlan:
     mean_positions: float = 0.0  # positions of the epoch's average window (the planned one is the longest)
     cuda_graph_pool: int = 0  # a compiled CUDA step's graph pool, in `peak` (resolve/cuda_plan.cuda_graph_pool)
     peak_gradients: int = 0  # gradients alive at the peak: fewer than `gradients` when it comes mid-backward
-    # The forwards' and backwards' highest moment, the optimizer step left out, and the optimizer state then
-    # (counted_step.StepTimeline.before_update: what another optimizer's plan is bounded by, resolve/search_plans).
-    peak_before_update: int = 0
-    state_before_update: int = 0
-    # The step's moments that can be an FSDP worker's peak (counted_step.StepTimeline); none in a plan by depth.
-    moments: tuple[Point, ...] = field(default=(), repr=False)
+    peak_before_update: int = 0  # the forwards' and backwards' highest moment (StepTimeline.before_update) ...
+    state_before_update: int = 0  # ... and the optimizer state then: another optimizer's bound (search_plans)
+    moments: tuple[Point, ...] = field(default=(), repr=False)  # what can be an FSDP worker's peak; none by depth
 
     def as_metrics(self) -> dict[str, float]:
         """MLflow names: `predicted_*`, beside the measured `peak_train_memory_bytes` and its breakdown."""
