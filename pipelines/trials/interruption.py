@@ -15,7 +15,7 @@ DVC runs a stage as its child and ignores SIGINT itself while it does (dvc/stage
 the child's `communicate`), counting on the terminal's Ctrl-C, which signals the whole foreground process group, to
 reach the stage too. SIGINT sent to the `dvc` process alone is dropped by the kernel, unseen by any process; but
 `dvc` ended (SIGTERM, SIGKILL, `dvc queue kill`) used to leave the stage training on, orphaned, writing into the
-workspace. `interrupt_when_parent_ends` makes that a Ctrl-C.
+workspace. `interrupt_when_parent_ends` makes that a Ctrl-C, also where a shell stands between `dvc` and the stage.
 """
 
 from __future__ import annotations
@@ -25,9 +25,12 @@ import json
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from pipelines.errors import Interrupted
 from pipelines.train.checkpoint import CHECKPOINT_FILE, LOCK_FILE, remove_unheld_locks
@@ -111,11 +114,16 @@ def resume_hint(steps: list[int | None]) -> str:
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+WATCH_EVERY_S = 0.5
 
 
 def interrupt_when_parent_ends() -> None:
-    """Have the kernel send this process SIGINT (Ctrl-C: the trials stopped, their checkpoints kept) when its parent
-    process (`dvc`) ends; Linux only (prctl), elsewhere nothing."""
+    """Have this process sent SIGINT (Ctrl-C: the trials stopped, their checkpoints kept) when the process that started
+    it ends; Linux only (prctl), elsewhere nothing.
+
+    Its parent is watched by the kernel. DVC runs a stage as `$SHELL -c <cmd>`, and bash and zsh exec the command, so
+    the parent is `dvc`; but dash (`/bin/sh`, which DVC takes where SHELL is unset: a container, cron, CI) stays in
+    between, outlives `dvc`, and the stage trained on, orphaned. Then a thread watches the DVC process itself."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -124,3 +132,18 @@ def interrupt_when_parent_ends() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGINT)
     if os.getppid() != parent:  # it ended before the kernel was asked
         os.kill(os.getpid(), signal.SIGINT)
+        return
+    from pipelines.workspace import running_pipeline
+
+    pipeline = running_pipeline()
+    if pipeline is not None and pipeline["pid"] != parent:
+        threading.Thread(target=_interrupt_when_gone, args=(pipeline,), name="pipeline-watch", daemon=True).start()
+
+
+def _interrupt_when_gone(pipeline: dict[str, Any]) -> None:
+    """Send this process SIGINT once `pipeline` (`running_pipeline`'s answer: its PID and start time) has ended."""
+    from pipelines.workspace import alive
+
+    while alive(pipeline):
+        time.sleep(WATCH_EVERY_S)
+    os.kill(os.getpid(), signal.SIGINT)

@@ -105,6 +105,12 @@ def test_ctrl_c_mid_train_ends_with_one_line_keeps_the_checkpoint_and_leaves_no_
     assert runs and {r.info.status for r in runs} == {"KILLED"}, [(r.info.run_name, r.info.status) for r in runs]
 
 
+def train_stage(process: psutil.Process) -> bool:
+    """Whether `process` is the train stage's Python (not a shell running it)."""
+    command = process.cmdline()
+    return Path(command[0]).name.startswith("python") and "stages.train" in command
+
+
 def kept_step(checkpoints: Path) -> int:
     """The optimizer step of the one checkpoint under `checkpoints`, read as torch saved it."""
     (path,) = checkpoints.glob("*/checkpoint.pt")
@@ -113,24 +119,32 @@ def kept_step(checkpoints: Path) -> int:
     return step
 
 
+# DVC runs a stage as `$SHELL -c <cmd>` (/bin/sh where SHELL is unset): bash execs the command, so the stage is dvc's
+# child; dash stays between them, and outlives dvc.
+@pytest.mark.parametrize("shell", ["bash", "dash"])
 def test_dvc_ended_under_its_train_stage_stops_the_stage_as_at_a_ctrl_c(
-    project_copy: Path, tmp_path: Path, own_ray_cluster: None
+    project_copy: Path, tmp_path: Path, own_ray_cluster: None, shell: str
 ):
     # DVC ignores SIGINT while a stage runs (it counts on Ctrl-C reaching the whole process group); `kill <dvc>`
-    # (SIGTERM) ended DVC alone, and its train stage trained on, orphaned, writing into the workspace.
+    # (SIGTERM) ended DVC alone, and its train stage trained on, orphaned, writing into the workspace. Under dash (CI,
+    # where SHELL was unset) it still did after the kernel was told to interrupt the stage when its parent ends.
+    executable = shutil.which(shell)
+    if executable is None:
+        pytest.skip(f"{shell} is not installed")
     write_params(project_copy, LONG)
     run(["git", "commit", "-qam", "settings"], project_copy)
     checkpoints = project_copy / "checkpoints"
     log = tmp_path / "dvc.log"
     with log.open("w") as out:
-        dvc = subprocess.Popen(["dvc", "repro"], cwd=project_copy, env=git_env(), start_new_session=True,
-                               stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        dvc = subprocess.Popen(["dvc", "repro"], cwd=project_copy, env={**git_env(), "SHELL": executable},
+                               start_new_session=True, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
     try:
         deadline = time.monotonic() + 300
         while not list(checkpoints.glob("*/checkpoint.pt")) and time.monotonic() < deadline and dvc.poll() is None:
             time.sleep(0.2)
         assert list(checkpoints.glob("*/checkpoint.pt")), log.read_text()
-        (stage,) = [p for p in psutil.Process(dvc.pid).children() if "stages.train" in " ".join(p.cmdline())]
+        (stage,) = [p for p in psutil.Process(dvc.pid).children(recursive=True) if train_stage(p)]
+        assert (stage.ppid() == dvc.pid) == (shell == "bash"), (shell, stage.ppid(), dvc.pid)  # the case it says
         dvc.terminate()
         dvc.wait()
         stage.wait(timeout=300)  # a guard against a hang: before, it trained to its end
