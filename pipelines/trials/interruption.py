@@ -9,7 +9,8 @@ the trials by ending its Ray session (a local cluster ends with it; on a joined 
 their driver leaves) and removes the lock files the killed trials held (`checkpoints/<key>/.lock`). The trials' and
 the parent's MLflow runs are then closed as KILLED (`pipelines.trials.parent_run.ParentRun.close`). The line says
 what to do next: `interrupted; rerun the same command to resume from step N`, N read from the checkpoint of each trial
-that was running.
+that was running. SIGTERM (`kill`, `scancel`, a preempted node) does the same (`terminated; ...`, exit 143), where
+`ray.init`'s own handler exited on the spot and left the runs RUNNING.
 
 DVC runs a stage as its child and ignores SIGINT itself while it does (dvc/stage/run.py, DVC 3.x: SIG_IGN around
 the child's `communicate`), counting on the terminal's Ctrl-C, which signals the whole foreground process group, to
@@ -32,7 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pipelines.errors import Interrupted
+from pipelines.errors import Interrupted, Terminated, raise_on_sigterm, stopped_by_sigterm
 from pipelines.train.checkpoint import CHECKPOINT_FILE, LOCK_FILE, remove_unheld_locks
 
 TUNE_SIGINT_SWITCH = "TUNE_DISABLE_SIGINT_HANDLER"
@@ -40,25 +41,29 @@ TUNE_SIGINT_SWITCH = "TUNE_DISABLE_SIGINT_HANDLER"
 
 @contextmanager
 def stopped_on_ctrl_c(checkpoint_root: Path) -> Iterator[None]:
-    """Run the block (the Tuner's `fit`) with Ctrl-C raising KeyboardInterrupt: then stop the trials and remove the
-    locks they held, and raise `Interrupted`, saying the step each running trial resumes from."""
+    """Run the block (the Tuner's `fit`) with Ctrl-C raising KeyboardInterrupt and SIGTERM `Terminated`: then stop the
+    trials and remove the locks they held, and raise `Interrupted` (`Terminated`), saying the step each running trial
+    resumes from."""
     before = os.environ.get(TUNE_SIGINT_SWITCH)
     os.environ[TUNE_SIGINT_SWITCH] = "1"
+    sigterm_before = raise_on_sigterm()  # ray.init's handler exits on the spot, the runs left RUNNING
     try:
         yield
-    except KeyboardInterrupt:
-        # Another Ctrl-C would cut this short and leave the locks: the cleanup is bounded (Ray's shutdown, then at
-        # most remove_unheld_locks' wait), so it runs to its end.
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except KeyboardInterrupt as stop:
+        # Another Ctrl-C or SIGTERM would cut this short and leave the locks: the cleanup is bounded (Ray's shutdown,
+        # then at most remove_unheld_locks' wait), so it runs to its end.
+        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             running = held_folders(checkpoint_root)  # before the trials stop: then their locks are let go
             stop_trials()
             remove_unheld_locks(checkpoint_root)
             hint = resume_hint([checkpoint_step(folder) for folder in running])
         finally:
-            signal.signal(signal.SIGINT, previous)
-        raise Interrupted(hint) from None
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        raise (Terminated if stopped_by_sigterm(stop) else Interrupted)(hint) from None
     finally:
+        signal.signal(signal.SIGTERM, sigterm_before)
         if before is None:
             os.environ.pop(TUNE_SIGINT_SWITCH, None)
         else:
