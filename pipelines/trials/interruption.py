@@ -142,10 +142,10 @@ def interrupt_when_parent_ends() -> None:
 
     pipeline = running_pipeline()
     if pipeline is not None and pipeline["pid"] != parent:
-        threading.Thread(target=_interrupt_when_gone, args=(pipeline,), name="pipeline-watch", daemon=True).start()
+        threading.Thread(target=interrupt_when_gone, args=(pipeline,), name="pipeline-watch", daemon=True).start()
 
 
-def _interrupt_when_gone(pipeline: dict[str, Any]) -> None:
+def interrupt_when_gone(pipeline: dict[str, Any]) -> None:
     """Send this process SIGINT once `pipeline` (`running_pipeline`'s answer: its PID and start time) has ended."""
     from pipelines.workspace import alive
 
