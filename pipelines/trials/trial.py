@@ -9,6 +9,7 @@ paths, the MLflow run tree), which never enters the search space. The trial itse
 from __future__ import annotations
 
 import json
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -87,11 +88,26 @@ def shown_figures(metrics: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def quiet_stop_of_this_process() -> None:
+    """Drop the "Exception ignored in ..." traceback of a KeyboardInterrupt or SystemExit met in a destructor or weakref
+    callback: Ray stops a trial's process by raising one of them in it, and where that lands in a garbage collector's
+    callback Python prints it as unraisable. Ray forwards it to the stage's stderr: a traceback about nothing the user
+    can act on (seen once in CI, after a stage that failed at its end). Every other unraisable still prints."""
+    default = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt | SystemExit):
+            default(unraisable)
+
+    sys.unraisablehook = hook
+
+
 def run_trial(config: dict[str, Any], context: TrialContext, shares: dict[str, CardShare] | None = None,
               credentials: SealedCredentials | None = None) -> None:  # fmt: skip
     """Ray Tune function trainable: train one configuration and report its metrics (`shares`: each variant's share
     of a card under `gpu: auto`, which a packed trial enforces; `credentials`: the driver's for the tracking server,
     from Ray's object store)."""
+    quiet_stop_of_this_process()
     use_tracking_credentials(credentials)  # before the first MLflow call
     leave_retries_to_run_logger()
     quiet_mlflow_info()

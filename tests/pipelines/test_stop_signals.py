@@ -65,3 +65,33 @@ def test_a_stage_is_interrupted_when_the_process_it_watches_ends():
     stage = subprocess.run([sys.executable, "-c", WATCHING_STAGE], cwd=REPO_ROOT, capture_output=True, text=True,
                            timeout=30)  # fmt: skip
     assert (stage.returncode, stage.stderr.strip()) == (130, "interrupted"), stage.stderr
+
+
+# Ray stops a trial's process by raising KeyboardInterrupt or SystemExit in it; met in a destructor, Python printed it
+# as "Exception ignored in ..." with a traceback, which Ray forwarded to the stage's stderr.
+UNRAISABLES = textwrap.dedent(
+    """
+    from pipelines.trials.trial import quiet_stop_of_this_process
+
+    class Raises:
+        def __init__(self, error):
+            self.error = error
+
+        def __del__(self):
+            raise self.error
+
+    quiet_stop_of_this_process()
+    Raises(KeyboardInterrupt())
+    Raises(SystemExit(1))
+    Raises(ValueError("a real bug in a destructor"))
+    """
+)
+
+
+def test_a_trial_process_stopped_in_a_destructor_prints_nothing_but_other_errors_still_print():
+    done = subprocess.run([sys.executable, "-c", UNRAISABLES], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "ValueError: a real bug in a destructor" in done.stderr
+    assert "KeyboardInterrupt" not in done.stderr and "SystemExit" not in done.stderr, done.stderr
+    assert done.stderr.count("Traceback") == 1, done.stderr
