@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +27,7 @@ class Terminated(Interrupted):
     their checkpoints kept, their runs closed) where by default it died on the spot, its runs left RUNNING."""
 
 
-_sigterm_received = False  # read, not the exception: Ray turns one its signal check meets into a bare Ctrl-C
+_SIGTERMS: list[float] = []  # when SIGTERM came: Ray turns an exception its signal check meets into a bare Ctrl-C
 
 
 def raise_on_sigterm() -> Any:
@@ -36,15 +37,14 @@ def raise_on_sigterm() -> Any:
 
 
 def _terminated(signum: int, frame: Any) -> None:
-    global _sigterm_received
-    _sigterm_received = True
+    _SIGTERMS.append(time.time())
     raise Terminated()
 
 
 def stopped_by_sigterm(stop: KeyboardInterrupt) -> bool:
     """Whether `stop` came of a SIGTERM: a `Terminated`, or the KeyboardInterrupt Ray raised in its place (a SIGTERM
     that arrived while the driver waited in Ray's C++ code)."""
-    return isinstance(stop, Terminated) or _sigterm_received
+    return isinstance(stop, Terminated) or bool(_SIGTERMS)
 
 
 def warn_user(message: str) -> None:
