@@ -5,6 +5,7 @@ Imports only pydantic: the schema must say no before anything heavy is imported.
 
 from __future__ import annotations
 
+import string
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, PlainValidator
@@ -109,3 +110,22 @@ class StrictModel(BaseModel):
     """Base for every params section: unknown keys are errors, assignments are validated."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+def template_fields(template: str) -> list[str]:
+    """The column names a prompt template reads, in order of first use; a ValueError for a field that is not a plain
+    name (`{0}`, `{a.b}`, `{a!r}`, `{a:>9}`) or a template with none."""
+    fields: list[str] = []
+    for _, name, spec, conversion in string.Formatter().parse(template):
+        if name is None:
+            continue
+        if not name.isidentifier() or spec or conversion:
+            raise ValueError(
+                f"data.prompt_template: field {{{name}}} must be a column's name in braces, such as "
+                "{instruction} (no index, attribute, conversion or format spec); write {{ for a brace"
+            )
+        if name not in fields:
+            fields.append(name)
+    if not fields:
+        raise ValueError(f"data.prompt_template {template!r} names no column; name each in braces: {{instruction}}")
+    return fields

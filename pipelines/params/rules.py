@@ -26,7 +26,7 @@ def _one_of_prompt_and_response(p: Params) -> bool:
     return (
         p.task == "causal_lm"
         and p.data.messages_column is None
-        and ((p.data.prompt_column is None) != (p.data.response_column is None))
+        and ((p.data.prompt_column is None and p.data.prompt_template is None) != (p.data.response_column is None))
     )
 
 
@@ -127,8 +127,8 @@ RULES: tuple[Rule, ...] = (
          lambda p: "distributed.use_gpu: true gives each worker a GPU; device: cpu cannot use it"),
     Rule(_one_of_prompt_and_response,
          lambda p: f"task: causal_lm needs data.prompt_column and data.response_column together (got "
-                   f"{p.data.prompt_column!r} and {p.data.response_column!r}); set both, or neither for plain "
-                   "language modelling of data.text_column"),
+                   f"{p.data.prompt_column!r} and {p.data.response_column!r}); set both (or data.prompt_template with "
+                   "data.response_column), or neither for plain language modelling of data.text_column"),
     Rule(lambda p: p.data.packing and p.task != "causal_lm",
          lambda p: f"data.packing: true packs causal-LM examples; task: {p.task} keeps one example per row "
                    "(set data.packing: false, or task: causal_lm)"),

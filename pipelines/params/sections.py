@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
-from pipelines.params.fields import AdapterType, StrictModel
+from pipelines.params.fields import AdapterType, StrictModel, template_fields
 
 
 class GeneratorParams(StrictModel):
@@ -28,6 +28,10 @@ class DataParams(StrictModel):
             "train/validation/test files, or a Hugging Face hub dataset id."
         ),
     )
+    revision: str | None = Field(
+        description="A hub dataset's revision (a commit, tag or branch); pin a commit so the data of every "
+        "experiment is known (DVC sees a local source's contents, not a hub's). null: the default branch."
+    )
     generator: GeneratorParams = Field(description="Settings of the built-in corpus.")
     text_column: str | list[str] = Field(
         description="Text column, or a list of columns joined with the tokenizer's separator (classification); "
@@ -40,14 +44,25 @@ class DataParams(StrictModel):
         "with response_column. null: no prompt/response pair."
     )
     response_column: str | None = Field(description="causal_lm: the answer column the model learns to write.")
+    prompt_template: str | None = Field(
+        description="causal_lm: the prompt built from several columns, each named in braces (Alpaca: "
+        '"{instruction}\\n\\n{input}"); a paragraph (text between blank lines) whose every field is empty is '
+        "left out, so a row with no input reads as its instruction alone. Replaces prompt_column; "
+        "null: prompt_column as it is."
+    )
     source_column: str = Field(description="seq2seq: the input text column (what the encoder reads).")
     target_column: str = Field(description="seq2seq: the output text column (what the decoder learns to write).")
     messages_column: str | None = Field(
-        description="causal_lm: a chat column (a list of {role, content}); rendered with the tokenizer's chat "
-        "template, the last assistant message is the response. Takes precedence over prompt/response."
+        description="causal_lm: a chat column (a list of {role, content}, or ShareGPT's {from, value} with "
+        "human/gpt/system turns, mapped to user/assistant/system); rendered with the tokenizer's chat template, the "
+        "last assistant message is the response. Takes precedence over prompt/response."
     )
     csv_columns: list[str] | None = Field(
         description="Column names of CSV files that have no header row (null: the first row is the header)."
+    )
+    drop_empty: bool = Field(
+        description="Drop rows whose text (or prompt/response, source/target, label) is empty, counting them per "
+        "split in metrics/tokenize.json (`dropped_empty_rows`); false: refuse them, naming their rows."
     )
     max_length: int = Field(ge=8, le=8192, description="Tokens per row after truncation.")
     bucketing: bool = Field(
@@ -70,6 +85,26 @@ class DataParams(StrictModel):
     num_proc: PositiveInt | None = Field(
         description="Parallel tokenizer workers (Rust threads of the fast tokenizer); null: all cores."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_prompt_column(cls, values: Any) -> Any:
+        if isinstance(values, dict) and isinstance(values.get("prompt_column"), list):
+            columns = values["prompt_column"]
+            raise ValueError(
+                f"data.prompt_column = {columns!r}: takes one column; to build the prompt from several (Alpaca's "
+                "instruction and input), set data.prompt_template, e.g. '{instruction}\\n\\n{input}' (a paragraph "
+                "whose fields are all empty is left out), and data.prompt_column: null"
+            )
+        return values
+
+    @model_validator(mode="after")
+    def _template_names_columns(self) -> DataParams:
+        if self.prompt_template is not None:
+            template_fields(self.prompt_template)  # a ValueError naming the bad field
+            if self.response_column is None:
+                raise ValueError("data.prompt_template needs data.response_column: the answer the model learns")
+        return self
 
     @model_validator(mode="after")
     def _token_budget_needs_bucketing(self) -> DataParams:

@@ -16,15 +16,18 @@ TOKENIZE_STAGE_KEYS = (
     "seed",
     "task",
     "data.source",
+    "data.revision",
     "data.generator",
     "data.text_column",
     "data.label_column",
     "data.prompt_column",
     "data.response_column",
+    "data.prompt_template",
     "data.messages_column",
     "data.source_column",
     "data.target_column",
     "data.csv_columns",
+    "data.drop_empty",
     "data.max_length",
     "data.val_fraction",
     "data.test_fraction",
@@ -64,6 +67,7 @@ def refuse_tokenize_keys(where: str, keys: list[str]) -> None:
 WHOLE_FILE = "params.yaml"
 STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "validate": (WHOLE_FILE,),
+    "source": ("data.source", "data.revision"),
     "tokenize": ("task", "data", "model", "seed", "batch_size", "device"),
     "train": (
         "task", "train_on_prompt", "optim", "precision", "weights_dtype", "batch_size", "grad_accum_steps",

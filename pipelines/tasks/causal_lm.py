@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from pipelines.data.batching import PadCollator, Padding
+from pipelines.data.formats import as_messages, cell_text, render_prompts, template_fields
 from pipelines.data.loader import eval_batch_rows
 from pipelines.data.packing import IGNORE, PackedSplit, check_isolation, pack_split, packed_targets
-from pipelines.data.sources import DataError, check_columns, rows_named
+from pipelines.data.sources import check_columns, drop_or_refuse_empty
 from pipelines.data.synthetic import generate_instructions
 from pipelines.data.tokenization import TokenizedSplit, train_causal_word_tokenizer
 from pipelines.errors import UserError
@@ -34,9 +35,12 @@ if TYPE_CHECKING:
 
 
 def source_columns(data: DataParams) -> dict[str, str]:
-    """Which source columns a causal-LM row comes from: a chat, a prompt/response pair, or one text."""
+    """Which source columns a causal-LM row comes from: a chat, a prompt/response pair, or one text (with
+    data.prompt_template, the prompt is built from the template's columns: `pipelines.data.formats`)."""
     if data.messages_column is not None:
         return {"messages": data.messages_column}
+    if data.prompt_template is not None and data.response_column is not None:
+        return {"response": data.response_column}
     if data.prompt_column is not None and data.response_column is not None:
         return {"prompt": data.prompt_column, "response": data.response_column}
     assert isinstance(data.text_column, str)  # the schema refuses a list for causal_lm
@@ -192,15 +196,19 @@ class CausalLmTask(GenerationTask):
 
     def normalize_table(self, table: pd.DataFrame, data: DataParams, where: str) -> pd.DataFrame:
         columns = source_columns(data)
-        check_columns(table, list(columns.values()), where)
-        out = pd.DataFrame({field: table[column].tolist() for field, column in columns.items()})
-        if "messages" not in out:
-            out["prompt"] = out["prompt"].astype(str) if "prompt" in out else ""
-            out["response"] = out["response"].astype(str)
-            empty = (out["response"].str.strip() == "").to_numpy()
-            if empty.any():
-                raise DataError(f"{where}: empty {columns['response']!r} in {rows_named(empty.nonzero()[0])}")
-        return out
+        templated = data.prompt_template is not None and "messages" not in columns
+        fields = template_fields(data.prompt_template) if templated else []
+        check_columns(table, list(columns.values()) + fields, where)
+        out = pd.DataFrame({field: table[column].tolist() for field, column in columns.items()}, index=table.index)
+        if "messages" in out:
+            out["messages"] = [as_messages(chat, where, row) for row, chat in enumerate(out["messages"])]
+            return out
+        if templated:
+            out["prompt"] = render_prompts(data.prompt_template, table[fields].to_dict("records"))
+        out["prompt"] = out["prompt"].astype(str) if "prompt" in out else ""
+        out["response"] = [cell_text(value) for value in out["response"]]  # a missing answer is empty, not "None"
+        empty = (out["response"].str.strip() == "").to_numpy()
+        return drop_or_refuse_empty(out, empty, repr(columns["response"]), where, data, table.attrs)
 
     def tokenizer_corpus(self, train: pd.DataFrame) -> list[str]:
         if "messages" in train:

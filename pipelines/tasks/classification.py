@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipelines.data.batching import PadCollator, Padding
-from pipelines.data.sources import DataError, check_columns, rows_named
+from pipelines.data.sources import check_columns, drop_or_refuse_empty
 from pipelines.data.synthetic import generate_corpus
 from pipelines.data.tokenization import (
     LABELS_FILE,
@@ -38,18 +38,19 @@ def _text_columns(data: DataParams) -> list[str]:
 
 
 def normalize_table(table: pd.DataFrame, data: DataParams, where: str) -> pd.DataFrame:
-    """Check the columns and rows of one classification split; return columns `texts` (tuples) and `label` (str)."""
+    """Check the columns and rows of one classification split; return columns `texts` (tuples) and `label` (str),
+    indexed by row position in `table` (rows with an empty text or label dropped where data.drop_empty)."""
     check_columns(table, _text_columns(data) + [data.label_column], where)
     texts = table[_text_columns(data)].astype(str)
-    empty = (texts.apply(lambda col: col.str.strip() == "")).all(axis=1)
-    if empty.any():
-        rows = rows_named(empty.to_numpy().nonzero()[0])
-        raise DataError(f"{where}: empty text in {_text_columns(data)} in {rows}; drop or fill such rows")
     labels = table[data.label_column]
-    if labels.isna().any() or (labels.astype(str).str.strip() == "").any():
-        rows = rows_named((labels.isna() | (labels.astype(str).str.strip() == "")).to_numpy().nonzero()[0])
-        raise DataError(f"{where}: no label in column {data.label_column!r} in {rows}")
-    return pd.DataFrame({"texts": list(texts.itertuples(index=False, name=None)), "label": labels.astype(str)})
+    # Labels are data: kept as written (spaces and all); an empty one is no class.
+    out = pd.DataFrame({"texts": list(texts.itertuples(index=False, name=None)), "label": labels.astype(str)})
+    out.index = table.index
+    empty_text = (texts.apply(lambda col: col.str.strip() == "")).all(axis=1).to_numpy()
+    out = drop_or_refuse_empty(out, empty_text, f"text in {_text_columns(data)}", where, data, table.attrs)
+    labels = labels.loc[out.index]
+    no_label = (labels.isna() | (labels.astype(str).str.strip() == "")).to_numpy()
+    return drop_or_refuse_empty(out, no_label, f"label in column {data.label_column!r}", where, data, table.attrs)
 
 
 class ClassificationTask(Task):

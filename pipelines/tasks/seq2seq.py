@@ -22,7 +22,7 @@ from torch import nn
 
 from pipelines.data.batching import PadCollator, Padding, padded_length
 from pipelines.data.loader import eval_batch_rows, score_batches
-from pipelines.data.sources import DataError, check_columns, rows_named
+from pipelines.data.sources import check_columns, drop_or_refuse_empty
 from pipelines.data.synthetic import generate_translations
 from pipelines.data.tokenization import TokenizedSplit, train_causal_word_tokenizer
 from pipelines.noise import wilson_interval
@@ -136,10 +136,10 @@ class Seq2SeqTask(GenerationTask):
         out = pd.DataFrame(
             {SOURCE: table[data.source_column].astype(str).tolist(), TARGET: table[data.target_column].astype(str)}
         )
+        out.index = table.index
         for field, column in ((SOURCE, data.source_column), (TARGET, data.target_column)):
             empty = (out[field].str.strip() == "").to_numpy()
-            if empty.any():
-                raise DataError(f"{where}: empty {column!r} in {rows_named(empty.nonzero()[0])}")
+            out = drop_or_refuse_empty(out, empty, repr(column), where, data, table.attrs)
         return out
 
     def tokenizer_corpus(self, train: pd.DataFrame) -> list[str]:

@@ -37,8 +37,8 @@ def test_a_label_in_five_rows_of_2000_is_warned_of_with_its_count_and_rows(tmp_p
     err = capsys.readouterr().err
     assert (
         "warning: label 'sprots' has only 5 of 2000 rows (0.25%), in data.source 'd.csv', split 'train': 5 rows: 18, "
-        "231, 902, 1403, 2000, counted from 1 after the header (lines 19, 232, 903, 1404, 2001 of a CSV whose fields "
-        "hold no line breaks); a class with under 10 rows and under 1% of all rows is trained and scored as a class of "
+        "231, 902, 1403, 2000, counted from 1 after the header (lines 19, 232, 903, 1404, 2001 of the CSV)"
+        "; a class with under 10 rows and under 1% of all rows is trained and scored as a class of "
         "its own that the model can barely learn: if it is a typo of another label, correct those rows"
     ) in err
     assert err.count("warning: ") == 1  # the four real topics are not named
@@ -57,8 +57,8 @@ def test_a_rare_label_is_named_in_every_file_of_a_folder(tmp_path, default_param
     err = capsys.readouterr().err
     assert (
         "warning: label 'sprots' has only 3 of 2000 rows (0.15%), in data.source 'f', split 'train': 2 rows: 4, 701, "
-        "counted from 1 after the header (lines 5, 702 of a CSV whose fields hold no line breaks) and in data.source "
-        "'f', split 'test': 1 row: 10, counted from 1 after the header (lines 11 of a CSV"
+        "counted from 1 after the header (lines 5, 702 of the CSV) and in data.source "
+        "'f', split 'test': 1 row: 10, counted from 1 after the header (lines 11 of the CSV"
     ) in err
 
 
@@ -71,9 +71,9 @@ def test_a_label_the_train_split_lacks_is_refused_naming_its_rows(tmp_path, defa
         load(tmp_path, default_params, "f")
     assert str(refused.value) == (
         f"the {split} split has 'gnu', which the train split lacks (data.source 'f', split '{split}': 1 row: 71, "
-        "counted from 1 after the header (lines 72 of a CSV whose fields hold no line breaks)); "
+        "counted from 1 after the header (lines 72 of the CSV)); "
         f"the {split} split has 'zebra', which the train split lacks (data.source 'f', split '{split}': 2 rows: 4, 51, "
-        "counted from 1 after the header (lines 5, 52 of a CSV whose fields hold no line breaks)); a classifier cannot "
+        "counted from 1 after the header (lines 5, 52 of the CSV)); a classifier cannot "
         "learn or predict a class it never trains on: correct those labels, or add rows of them to the train split"
     )
 
@@ -95,5 +95,5 @@ def test_a_held_out_split_drawn_from_a_single_file_names_the_rows_of_that_file(t
         assert "split has 'zebra', which the train split lacks (drawn from data.source 'one.csv', split 'train': " in (
             message
         )
-        assert "1 row: 101, counted from 1 after the header (lines 102 of a CSV" in message
+        assert "1 row: 101, counted from 1 after the header (lines 102 of the CSV" in message
     assert "warning: label 'zebra' has only 1 of 300 rows (0.33%)" in capsys.readouterr().err

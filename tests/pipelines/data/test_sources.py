@@ -79,7 +79,15 @@ def expect_error(tmp_path, default_params, match: str, **overrides) -> None:
 
 
 def test_missing_file(tmp_path, default_params):
-    expect_error(tmp_path, default_params, r"data.source = 'nope.csv': file not found", **{"data.source": "nope.csv"})
+    expect_error(tmp_path, default_params, r"data.source = 'nope.csv': no such local file or folder",
+                 **{"data.source": "nope.csv"})  # fmt: skip
+
+
+def test_a_misspelled_local_folder_is_named_as_missing_before_any_hub_lookup(tmp_path, default_params):
+    (tmp_path / "mydata" / "csv").mkdir(parents=True)
+    # `mydata/csvv` has a hub id's shape (user/dataset), but mydata/ is here: a typo of a local path.
+    expect_error(tmp_path, default_params, r"data.source = 'mydata/csvv': no such local file or folder .*holds: csv/"
+                 r"\) ?; did you mean 'mydata/csv'\?", **{"data.source": "mydata/csvv"})  # fmt: skip
 
 
 def test_missing_columns(tmp_path, default_params):
@@ -129,7 +137,7 @@ def test_non_utf8_bytes(tmp_path, default_params):
 def test_empty_text_row(tmp_path, default_params):
     (tmp_path / "d.csv").write_text("text,label\nfine,a\n   ,b\nalso fine,a\n")
     expect_error(tmp_path, default_params, r"empty text in \['text'\] in 1 row: 2, counted from 1 after the header "
-                 r"\(lines 3 of a CSV", **{"data.source": "d.csv"})  # fmt: skip
+                 r"\(lines 3 of the CSV\); fill such rows, or drop them with data.drop_empty: true", **{"data.source": "d.csv"})  # fmt: skip
 
 
 def test_twelve_empty_texts_are_counted_and_the_first_lines_named(tmp_path, default_params):
@@ -137,7 +145,7 @@ def test_twelve_empty_texts_are_counted_and_the_first_lines_named(tmp_path, defa
     (tmp_path / "d.csv").write_text("\n".join(lines) + "\n")
     # Rows 2, 5, 8, ... (counted from 1 after the header) are empty: 12 of them, on lines 3, 6, 9, ...
     expect_error(tmp_path, default_params, r"in 12 rows: 2, 5, 8, 11, 14 and 7 more, counted from 1 after the header "
-                 r"\(lines 3, 6, 9, 12, 15 and 7 more of a CSV", **{"data.source": "d.csv"})  # fmt: skip
+                 r"\(lines 3, 6, 9, 12, 15 and 7 more of the CSV", **{"data.source": "d.csv"})  # fmt: skip
 
 
 def test_unreachable_hub_dataset_offline(tmp_path, default_params, monkeypatch):
@@ -182,3 +190,36 @@ def test_token_budget_requires_bucketing(default_params):
 
     with pytest.raises(ParamsError, match="data.max_tokens_per_batch needs data.bucketing: true"):
         tiny_params(default_params, **{"data.max_tokens_per_batch": 4096, "data.bucketing": False})
+
+
+def test_csv_positions_are_physical_lines_where_quoted_fields_hold_line_breaks(tmp_path, default_params):
+    # Rows 6, 56 and 106 (counted from 1) are empty; a quoted field with one line break sits before row 56, and one
+    # with two before row 106: their records start on lines 7, 58 and 110 (the issue's case, measured by hand).
+    rows = [f"row {i}" for i in range(120)]
+    rows[5] = rows[55] = rows[105] = ""
+    rows[30] = "two\nlines"
+    rows[80] = "three\nlines\nhere"
+    pd.DataFrame({"text": rows, "label": ["a", "b"] * 60}).to_csv(tmp_path / "d.csv", index=False)
+    assert (tmp_path / "d.csv").read_text().splitlines()[57].startswith(",")  # line 58: row 56's empty text
+    expect_error(tmp_path, default_params, r"in 3 rows: 6, 56, 106, counted from 1 after the header "
+                 r"\(lines 7, 58, 110 of the CSV\)", **{"data.source": "d.csv"})  # fmt: skip
+
+
+def test_drop_empty_drops_and_counts_empty_rows_and_later_refusals_still_name_source_rows(tmp_path, default_params):
+    rows = [f"row {i}" for i in range(60)]
+    rows[2] = rows[9] = " "
+    labels = ["a", "b", "c"] * 20
+    labels[40] = ""
+    pd.DataFrame({"text": rows, "label": labels}).to_csv(tmp_path / "train.csv", index=False)
+    test = pd.DataFrame({"text": ["x", "", "y", "z"], "label": ["a", "b", "zebra", "c"]})
+    test.to_csv(tmp_path / "test.csv", index=False)
+    params = tiny_params(default_params, **{"data.source": ".", "data.drop_empty": True})
+    with pytest.raises(DataError) as refused:  # row 3 of test.csv (line 4), though its row 2 was dropped before it
+        load_splits(params.data, params.seed, tmp_path, CLASSIFICATION)
+    assert "'zebra', which the train split lacks (data.source '.', split 'test': 1 row: 3," in str(refused.value)
+    assert "(lines 4 of the CSV)" in str(refused.value)
+    test.drop(index=2).to_csv(tmp_path / "test.csv", index=False)
+    splits = load_splits(params.data, params.seed, tmp_path, CLASSIFICATION)
+    assert len(splits["test"]) == 2 and splits["test"].attrs["dropped_empty_rows"] == 1
+    assert splits["train"].attrs["dropped_empty_rows"] == 3  # two empty texts and one empty label of 60
+    assert len(splits["train"]) + len(splits["validation"]) == 57
