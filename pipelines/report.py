@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import html
+import json
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -44,8 +45,11 @@ __all__ = ["build_report", "comparison_table", "format_metric", "format_relative
 
 def markdown_table(table: list[list[str]]) -> str:
     """Render a header-first table as GitHub markdown."""
-    lines = ["| " + " | ".join(table[0]) + " |", "|" + "---|" * len(table[0])]
-    lines += ["| " + " | ".join(row) + " |" for row in table[1:]]
+
+    def cells(row: list[str]) -> str:
+        return "| " + " | ".join(c.replace("|", "\\|") for c in row) + " |"  # a `|` in a label is no column
+
+    lines = [cells(table[0]), "|" + "---|" * len(table[0])] + [cells(row) for row in table[1:]]
     return "\n".join(lines)
 
 
@@ -243,6 +247,19 @@ class ReportContent:
     environment: dict[str, str]
     not_finished: list[str]
     figures: tuple[tuple[str, str], ...] = field(default_factory=lambda: FIGURES)
+    per_class: list[list[str]] = field(default_factory=list)
+
+
+def per_class_table(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """The best model's per-class test figures (the evaluate stage's `plots/per_class.json`): each label as written
+    (quoted, so spaces show) beside its metric key in MLflow; empty for a task without metric keys per class."""
+    keyed = [row for row in rows if "key" in row]
+    if not keyed:
+        return []
+    header = ["Class (as written)", "MLflow metrics", "Precision", "Recall"]
+    return [header] + [[json.dumps(str(row["class"]), ensure_ascii=False), f"test_precision.{row['key']}, "
+                        f"test_recall.{row['key']}", f"{100 * row['precision']:.1f}%", f"{100 * row['recall']:.1f}%"]
+                       for row in keyed]  # fmt: skip
 
 
 def _padding_text(rows: list[TrialRow]) -> str | None:
@@ -281,6 +298,8 @@ def render_markdown(content: ReportContent) -> str:
     lines = ["# Fine-tuning report", "", content.intro, "", markdown_table(content.table), ""]
     lines += [f"{note}\n" for note in content.notes]
     lines += [f"![{title}]({name})\n" for title, name in content.figures]
+    if content.per_class:
+        lines += ["## Per class (test split, best model)", "", markdown_table(content.per_class), ""]
     if content.padding:
         lines += ["## Padding (train split)", "", content.padding, ""]
     lines += ["## Environment", ""] + [f"- {k}: {v}" for k, v in content.environment.items()] + [""]
@@ -296,9 +315,16 @@ def render_html(content: ReportContent, image_dir: Path) -> str:
     def code(text: str) -> str:
         return re.sub(r"`([^`]*)`", r"<code>\1</code>", esc(text))
 
-    head, *body = content.table
-    table = "<table><thead><tr>" + "".join(f"<th>{esc(c)}</th>" for c in head) + "</tr></thead><tbody>"
-    table += "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in body) + "</tbody></table>"
+    def html_table(rows: list[list[str]]) -> str:
+        head, *body = rows
+        out = "<table><thead><tr>" + "".join(f"<th>{esc(c)}</th>" for c in head) + "</tr></thead><tbody>"
+        return (
+            out
+            + "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in body)
+            + "</tbody></table>"
+        )
+
+    table = html_table(content.table)
     figures = "".join(
         f'<figure><img alt="{esc(title)}" src="data:image/png;base64,'
         f'{base64.b64encode((image_dir / name).read_bytes()).decode()}"><figcaption>{esc(title)}</figcaption></figure>'
@@ -306,6 +332,8 @@ def render_html(content: ReportContent, image_dir: Path) -> str:
     )
     notes = "".join(f"<p>{code(note)}</p>" for note in content.notes)
     parts = [f"<h1>Fine-tuning report</h1><p>{code(content.intro)}</p>", table, notes, figures]
+    if content.per_class:
+        parts.append(f"<h2>Per class (test split, best model)</h2>{html_table(content.per_class)}")
     if content.padding:
         parts.append(f"<h2>Padding (train split)</h2><p>{esc(content.padding)}</p>")
     parts.append(
@@ -338,10 +366,12 @@ def build_report(
     out_dir: Path,
     last_commit: tuple[str, str] | None = None,
     confusion: list[dict[str, str]] | None = None,
+    per_class: list[dict[str, Any]] | None = None,
 ) -> str:
     """Write report.md, report.html and the PNGs into `out_dir`; return the markdown. `last_commit` (the best
     trial's run id of the commit this run started from, and the commit) is the baseline of a one-variant run;
-    `confusion`: the evaluate stage's (actual, predicted) pairs, drawn as a confusion matrix."""
+    `confusion`: the evaluate stage's (actual, predicted) pairs, drawn as a confusion matrix; `per_class`: its
+    per-class rows, tabled with each label as written."""
     # Each trial by its name (TRIAL_NAME_TAG): the default variant's says what the experiment changed, not `default`.
     rows = load_rows(client, experiment_id, parent_run_id)
     rows = [replace(r, name=r.tags.get(TRIAL_NAME_TAG, r.name)) for r in rows]
@@ -351,7 +381,7 @@ def build_report(
     plot_tradeoff(rows, out_dir / "tradeoff.png")
     plot_loss_curves(client, rows, out_dir / "loss_curves.png")
     plot_throughput(rows, out_dir / "throughput.png")
-    content = collect_content(rows, parent_run_id, experiment_id)
+    content = replace(collect_content(rows, parent_run_id, experiment_id), per_class=per_class_table(per_class or []))
     if plot_lr_range(client, rows, out_dir / LR_RANGE_FIGURE[1]):
         content = replace(content, figures=(*content.figures, LR_RANGE_FIGURE))
     if plot_confusion(confusion or [], out_dir / CONFUSION_FIGURE[1]):

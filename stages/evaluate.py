@@ -35,7 +35,7 @@ def main() -> None:
     from pipelines.baseline import changed_since_baseline, committed_json, repeat_times, timing_columns
     from pipelines.evaluation import dvc_metrics, evaluate_saved_model
     from pipelines.tracking.mlflow_model import model_to_evaluate
-    from pipelines.tracking.runs import log_evaluation, open_store
+    from pipelines.tracking.runs import log_evaluation_files, log_evaluation_metrics, open_store
     from pipelines.tracking.status import training_figures
 
     # The store first: it closes runs whose process died (kill -9) even if evaluation fails below.
@@ -46,6 +46,8 @@ def main() -> None:
         model_dir, run_id = model_to_evaluate(params, resolve_repo_root(), BEST_MODEL, TRIALS, Path(tmp))
         result = evaluate_saved_model(model_dir, TOKENIZED)
     check_trained(BEST_MODEL.parent, "evaluate", quiet=True)  # again: params.yaml may have changed while scoring
+    # Into the store first: a result the store refuses (or cannot take) is not written either, so DVC records none.
+    log_evaluation_metrics(client, run_id, result.metrics)
     atomic_write_text(PREDICTIONS, result.predictions.to_csv(index=False))
     # DVC declares both plots for every task; each task fills them its own way (generation: see answer_plots).
     atomic_write_json(CONFUSION, result.plots.get("confusion", []))
@@ -57,7 +59,7 @@ def main() -> None:
     compared = {"changed": changed_since_baseline(), **timing_columns(trained, repeats, committed_json(METRICS))}
     figures = dvc_metrics(params.task, result.metrics, trained, compared)
     atomic_write_json(METRICS, figures, sort_keys=False)
-    log_evaluation(client, run_id, result.metrics, [METRICS, PREDICTIONS], params.tracking.upload_retry_s)
+    log_evaluation_files(client, run_id, [METRICS, PREDICTIONS], params.tracking.upload_retry_s)
 
 
 if __name__ == "__main__":

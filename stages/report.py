@@ -17,6 +17,7 @@ MODELS = Path("models")
 TRIALS = MODELS / "trials.json"
 TRAIN_METRICS = Path("metrics/train.json")
 CONFUSION = Path("plots/confusion.json")  # the evaluate stage's (actual, predicted) pairs
+PER_CLASS = Path("plots/per_class.json")  # and its per-class rows: each label as written, its metric key
 OUT_DIR = Path("reports")
 
 
@@ -44,8 +45,9 @@ def main() -> None:
     client, _ = open_store(params.tracking, resolve_repo_root())
     with atomic_dir(OUT_DIR) as tmp:
         confusion = json.loads(CONFUSION.read_text()) if CONFUSION.is_file() else None
+        per_class = json.loads(PER_CLASS.read_text(encoding="utf-8")) if PER_CLASS.is_file() else None
         build_report(client, summary["experiment_id"], summary["parent_run_id"], tmp, last_commit_best_run(),
-                     confusion)  # fmt: skip
+                     confusion, per_class)  # fmt: skip
         check_trained(MODELS, "report", quiet=True)  # again, before reports/ is replaced
     parent, retry_s = summary["parent_run_id"], params.tracking.upload_retry_s
     send = lambda: client.log_artifacts(parent, str(OUT_DIR), artifact_path="report")  # noqa: E731

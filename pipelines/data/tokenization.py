@@ -174,6 +174,44 @@ def label_names(train_labels: pd.Series) -> list[str]:
     return names
 
 
+def class_key(label: str) -> str:
+    """A label's key in metric names (`test_recall.<key>`): MLflow takes letters of any script, digits, `_` and `-`
+    (and refuses `,`, `&`, quotes and emoji, INVALID_PARAMETER_VALUE). Each run of other characters becomes one `_`,
+    a symbol (emoji) its code point (`u1f600`), ends trimmed: `Sports & Games` -> `Sports_Games`, `Économie` and
+    `経済` unchanged. Stable (the text alone decides it) and documented; the label itself stays in labels.json, the
+    plots, the predictions and the report. A label with nothing left gets `label_` and a hash of its text."""
+    import hashlib
+    import unicodedata
+
+    parts = []
+    for char in label:
+        if char.isalnum() or char in "_-":
+            parts.append(char)
+        elif unicodedata.category(char) == "So":
+            parts.append(f"_u{ord(char):x}_")
+        else:
+            parts.append("_")
+    key = "_".join(p for p in "".join(parts).split("_") if p)
+    return key or f"label_{hashlib.sha1(label.encode()).hexdigest()[:8]}"
+
+
+def class_keys(names: list[str]) -> list[str]:
+    """Each label's `class_key`, refusing two labels with one key (naming both), which would share metrics."""
+    from pipelines.data.fingerprint import DataError
+
+    seen: dict[str, str] = {}
+    for name in names:
+        key = class_key(name)
+        if key in seen:
+            raise DataError(
+                f"labels {seen[key]!r} and {name!r} would share the metric key {key!r} (test_recall.{key}): metric "
+                "names keep letters, digits, '_' and '-', and each run of other characters becomes one '_'; make the "
+                "two labels differ in their letters or digits, or merge them if they are one class"
+            )
+        seen[key] = name
+    return [class_key(name) for name in names]
+
+
 @dataclass(frozen=True)
 class TokenizedSplit:
     """One split as flat token ids plus per-row offsets and lengths.

@@ -18,6 +18,7 @@ from pipelines.data.synthetic import generate_corpus
 from pipelines.data.tokenization import (
     LABELS_FILE,
     TokenizedSplit,
+    class_keys,
     encode_texts,
     join_texts,
     label_names,
@@ -103,7 +104,9 @@ class ClassificationTask(Task):
 
     def write_metadata(self, train: pd.DataFrame, out_dir: Path) -> dict[str, float]:
         names = label_names(train["label"])
-        (out_dir / LABELS_FILE).write_text(json.dumps({"names": names}, indent=2) + "\n", encoding="utf-8")
+        keys = class_keys(names)  # refuses two labels with one metric key, before anything trains
+        labels = {"names": names, "metric_keys": dict(zip(names, keys, strict=True))}
+        (out_dir / LABELS_FILE).write_text(json.dumps(labels, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         return {"num_labels": len(names)}
 
     def build_model(

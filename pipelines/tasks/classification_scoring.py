@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipelines.data.loader import score_batches
-from pipelines.data.tokenization import TokenizedSplit
+from pipelines.data.tokenization import TokenizedSplit, class_keys
 from pipelines.noise import bootstrap_macro_f1_interval, confusion_counts, per_class_scores, wilson_interval
 from pipelines.params import Params
 from pipelines.runtime import Runtime
@@ -85,9 +85,10 @@ def score(labels: np.ndarray, logits: np.ndarray, label_names: list[str]) -> Eva
         "test_macro_f1_ci_high": f1_high,
         "test_rows": float(len(labels)),
     }
-    for name, p, r in zip(label_names, precision, recall, strict=True):
-        metrics[f"test_precision.{name}"] = float(p)
-        metrics[f"test_recall.{name}"] = float(r)
+    # Keyed by each label's metric key: label text with a comma or `&` is no legal MLflow metric name.
+    for key, p, r in zip(class_keys(label_names), precision, recall, strict=True):
+        metrics[f"test_precision.{key}"] = float(p)
+        metrics[f"test_recall.{key}"] = float(r)
     probabilities = softmax(logits)
     predictions = pd.DataFrame(
         {
@@ -124,8 +125,10 @@ def confusion_rows(confusion: np.ndarray, label_names: list[str]) -> list[dict[s
 
 
 def per_class_rows(metrics: dict[str, float], label_names: list[str]) -> list[dict[str, float | str]]:
-    """One row per class with its precision and recall (DVC plot data)."""
+    """One row per class: the label as written, its metric key in MLflow, its precision and recall (DVC plot data,
+    and the report's per-class table)."""
     return [
-        {"class": name, "precision": metrics[f"test_precision.{name}"], "recall": metrics[f"test_recall.{name}"]}
-        for name in label_names
-    ]
+        {"class": name, "key": key, "precision": metrics[f"test_precision.{key}"],
+         "recall": metrics[f"test_recall.{key}"]}
+        for name, key in zip(label_names, class_keys(label_names), strict=True)
+    ]  # fmt: skip

@@ -15,7 +15,6 @@ import socket
 import ssl
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -23,16 +22,18 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from mlflow.entities import Metric, Param, RunStatus, RunTag
+from mlflow.entities import Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
 from pipelines.errors import UserError
 from pipelines.params import Params, TrackingParams, flatten_params
 from pipelines.tracking.access import check_can_write, refusal
+from pipelines.tracking.run_logger import RunLogger
+
+__all__ = ["RunLogger"]  # re-exported: trials import the logger from here
 
 _MAX_PARAMS_PER_BATCH = 100  # MLflow's limit for log_batch
-_MAX_METRICS_PER_BATCH = 1000
 _PARAM_VALUE_LIMIT = 6000
 
 
@@ -163,134 +164,6 @@ def leave_retries_to_run_logger() -> None:
     os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = "10"
 
 
-class RunLogger:
-    """Sends one run's metrics in batches from a background thread, surviving tracking outages.
-
-    Training only appends to a buffer. A sender thread ships a batch every `flush_every` points
-    (one request per batch, not per point); when the store is unreachable it keeps the points
-    and retries with backoff. `close` waits up to `outage_timeout_s` for the store to come back,
-    then writes whatever it could not deliver to a local JSON fallback file and says where.
-    Nothing is lost either way. Tags go out immediately; a failed tag is kept and sent at close.
-    """
-
-    def __init__(
-        self,
-        client: MlflowClient,
-        run_id: str,
-        flush_every: int = 200,
-        fallback_dir: Path | None = None,
-        outage_timeout_s: float = 120.0,
-        say: Callable[[str], None] = print,
-    ) -> None:
-        self.client = client
-        self.run_id = run_id
-        self.flush_every = flush_every
-        self.fallback_dir = fallback_dir
-        self.outage_timeout_s = outage_timeout_s
-        self.say = say
-        self._pending: list[Metric] = []
-        self._pending_tags: dict[str, str] = {}
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._closing = False
-        self._offline = False
-        self._sender = threading.Thread(target=self._send_loop, name=f"mlflow-{run_id[:8]}", daemon=True)
-        self._sender.start()
-
-    def log_dict(self, metrics: Mapping[str, float], step: int = 0) -> None:
-        """Queue metrics at `step`; the sender ships them once `flush_every` have piled up."""
-        now = int(time.time() * 1000)
-        with self._lock:
-            self._pending += [Metric(k, float(v), now, step) for k, v in metrics.items()]
-            if len(self._pending) >= self.flush_every:
-                self._wake.set()
-
-    def log_tags(self, tags: Mapping[str, str]) -> None:
-        """Set tags now; if the store is unreachable they are kept and sent at close."""
-        tags = {k: str(v) for k, v in tags.items()}
-        try:
-            self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
-        except Exception:  # noqa: BLE001 - any transport or server error: keep the tags for later
-            with self._lock:
-                self._pending_tags.update(tags)
-
-    def flush(self) -> None:
-        """Ask the sender to ship what is queued now (it does not wait for the store)."""
-        self._wake.set()
-
-    def _send_pending(self) -> bool:
-        with self._lock:
-            batch, tags = list(self._pending), dict(self._pending_tags)
-        try:
-            for i in range(0, len(batch), _MAX_METRICS_PER_BATCH):
-                self.client.log_batch(self.run_id, metrics=batch[i : i + _MAX_METRICS_PER_BATCH], synchronous=True)
-            if tags:
-                self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
-        except Exception as err:  # noqa: BLE001 - the store is down or refusing: keep everything, retry later
-            if not self._offline:
-                self.say(f"tracking store unreachable ({type(err).__name__}); buffering metrics and retrying")
-            self._offline = True
-            return False
-        with self._lock:
-            del self._pending[: len(batch)]
-            for key in tags:
-                self._pending_tags.pop(key, None)
-        if self._offline:
-            self.say(f"tracking store reachable again; delivered {len(batch)} buffered metrics")
-        self._offline = False
-        return True
-
-    def _send_loop(self) -> None:
-        backoff = 1.0
-        while not self._closing:
-            self._wake.wait(timeout=backoff if self._offline else 30.0)
-            self._wake.clear()
-            if self._closing:
-                return
-            if self._pending or self._pending_tags:
-                backoff = 1.0 if self._send_pending() else min(backoff * 2, 15.0)
-
-    def close(self, status: str | None = "FINISHED") -> None:
-        """Deliver everything and end the run with `status`; on a lasting outage, write the fallback file.
-
-        With `status=None` the run is left open: another process (a distributed trial's driver) ends it.
-        """
-        self._closing = True
-        self._wake.set()
-        self._sender.join(timeout=60)
-        deadline = time.monotonic() + self.outage_timeout_s
-        while True:
-            if self._send_pending():
-                try:
-                    if status is not None:
-                        self.client.set_terminated(self.run_id, status=status)
-                    return
-                except Exception:  # noqa: BLE001 - lost again between the two calls: retry below
-                    pass
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(2.0)
-        self._write_fallback(status)
-
-    def _write_fallback(self, status: str | None) -> None:
-        folder = self.fallback_dir or Path.cwd()
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"{self.run_id}.json"
-        record = {
-            "run_id": self.run_id,
-            "status": status,
-            "tags": self._pending_tags,
-            "metrics": [
-                {"key": m.key, "value": m.value, "timestamp": m.timestamp, "step": m.step} for m in self._pending
-            ],
-        }
-        path.write_text(json.dumps(record) + "\n", encoding="utf-8")
-        self.say(
-            f"tracking store still unreachable after {self.outage_timeout_s:.0f} s: {len(self._pending)} metrics and "
-            f"the final status ({status}) of run {self.run_id} were written to {path}"
-        )
-
-
 def start_run(
     client: MlflowClient, experiment_id: str, name: str, tags: Mapping[str, str], parent_run_id: str | None = None
 ) -> str:
@@ -383,15 +256,26 @@ def open_store(tracking: TrackingParams, root: Path, say: Callable[[str], None] 
     return client, experiment_id
 
 
-def log_evaluation(
-    client: MlflowClient, run_id: str, metrics: Mapping[str, float], artifacts: list[Path], retry_s: float
-) -> None:
-    """Log the evaluate stage's metrics and files into the best trial's run (a file the bucket refuses stays
-    pending on the run: `pipelines.tracking.uploads`)."""
-    from pipelines.tracking.uploads import Upload, send_or_defer
+def log_evaluation_metrics(client: MlflowClient, run_id: str, metrics: Mapping[str, float]) -> None:
+    """The evaluate stage's metrics into the best trial's run; a store's refusal (4xx) as a `TrackingRefused`
+    naming the key, an outage as a `UserError`: either before the stage writes any result."""
+    from pipelines.tracking.refusals import is_refusal, refused
 
     now = int(time.time() * 1000)
-    client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()], synchronous=True)
+    try:
+        client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()], synchronous=True)
+    except Exception as err:  # noqa: BLE001 - said in one line, as a user error: no result is written after it
+        if is_refusal(err):
+            raise refused(err, run_id, list(metrics)) from None
+        raise UserError(f"the tracking store did not take the evaluation of run {run_id} ({type(err).__name__}: "
+                        f"{str(err).splitlines()[0][:300] if str(err) else ''}); nothing was written: rerun "
+                        "`dvc repro` once it answers") from None  # fmt: skip
+
+
+def log_evaluation_files(client: MlflowClient, run_id: str, artifacts: list[Path], retry_s: float) -> None:
+    """The evaluate stage's files into the best trial's run (one the bucket refuses stays pending)."""
+    from pipelines.tracking.uploads import Upload, send_or_defer
+
     for path in artifacts:
         send = lambda path=path: client.log_artifact(run_id, str(path), artifact_path="evaluate")  # noqa: E731
         send_or_defer(client, run_id, Upload(f"evaluate/{path.name}", str(path), send), retry_s, print)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.params import Params
+from pipelines.tracking.refusals import FALLBACK_DIR, replay_fallbacks
 from pipelines.tracking.runs import (
     close_dangling_children,
     git_commit,
@@ -42,6 +43,8 @@ def open_parent_run(params: Params, root: Path) -> ParentRun:
     """Open the store (the runs page's columns set) and start the parent run, tagged and with its params."""
     tracking_uri = resolve_tracking_uri(params.tracking.uri, root)
     client, experiment_id = open_store(params.tracking, root)
+    # What an earlier run's tracking outage kept on disk goes into its run now (pipelines.tracking.refusals).
+    replay_fallbacks(client, root / FALLBACK_DIR, lambda line: print(line, flush=True))
     client.set_experiment_tag(experiment_id, RUNS_VIEW_TAG, runs_view(params.task))  # the runs page's columns
     tags = {
         "git_commit": git_commit(root),

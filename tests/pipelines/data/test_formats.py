@@ -49,7 +49,8 @@ def test_the_schema_points_from_a_list_of_prompt_columns_to_the_template(default
 
 
 def test_sharegpt_turns_become_chat_messages():
-    turns = [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]
+    turns = [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+             {"from": "gpt", "value": "Hello"}]  # fmt: skip
     assert as_messages(turns, "here", 0) == [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello"},

@@ -137,7 +137,8 @@ def test_non_utf8_bytes(tmp_path, default_params):
 def test_empty_text_row(tmp_path, default_params):
     (tmp_path / "d.csv").write_text("text,label\nfine,a\n   ,b\nalso fine,a\n")
     expect_error(tmp_path, default_params, r"empty text in \['text'\] in 1 row: 2, counted from 1 after the header "
-                 r"\(lines 3 of the CSV\); fill such rows, or drop them with data.drop_empty: true", **{"data.source": "d.csv"})  # fmt: skip
+                 r"\(lines 3 of the CSV\); fill such rows, or drop them with data.drop_empty: true",
+                 **{"data.source": "d.csv"})  # fmt: skip
 
 
 def test_twelve_empty_texts_are_counted_and_the_first_lines_named(tmp_path, default_params):
