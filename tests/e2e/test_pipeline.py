@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient
 
 from pipelines.comparison import COLUMNS
 from pipelines.report import format_metric
-from tests.conftest import FINAL_METRICS, run
+from tests.conftest import FINAL_METRICS, run, up_to_date
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -147,7 +147,7 @@ def test_repro_noop_exp_run_and_bad_values(project_copy: Path, own_ray_cluster: 
     # 2. A second repro does nothing, in seconds.
     start = time.monotonic()
     again = run(["dvc", "repro"], root)
-    assert "Data and pipelines are up to date" in again.stdout
+    assert up_to_date(again.stdout), again.stdout  # only the source stage re-hashes the data
     assert time.monotonic() - start < 30
     run(["git", "add", "-A"], root)
     run(["git", "commit", "-qm", "baseline results"], root)

