@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from pipelines.data.batching import LengthGroupedBatchSampler, padded_length, padding_fraction
-from pipelines.data.sources import SPLITS, load_splits
+from pipelines.data.sources import DROPPED, SPLITS, load_splits
 from pipelines.data.tokenization import TOKENIZER_DIR, load_pretrained_tokenizer, set_tokenizer_threads
 from pipelines.params import DataParams, Params
 
@@ -70,6 +70,8 @@ def prepare_dataset(params: Params, root: Path, out_dir: Path) -> dict[str, Any]
         lengths = encoded.split.lengths
         stats[split] = {
             "rows": len(table),
+            # Rows data.drop_empty left out of this split's own source table (a drawn split: 0; see load_splits).
+            "dropped_empty_rows": int(table.attrs.get(DROPPED, 0)),
             "truncated_fraction": round(encoded.truncated / len(table), 6),
             **({"max_length_keeping_95pct": encoded.length_for_95pct} if encoded.length_for_95pct else {}),
             **length_stats(lengths, data, params.batch_size, params.seed, split == "train", pad_multiple),

@@ -7,7 +7,8 @@ no paths, and DVC fails a stage whose dependency is missing (checked with DVC 3.
 and a dependency cannot be interpolated conditionally or from a list. So the `source` stage (always run: DVC's
 `always_changed`) writes this module's fingerprint, a few hundred bytes, into `metrics/data_source.json`, which the
 tokenize stage depends on: DVC re-runs tokenize exactly when the data it reads changed, and `dvc exp show` tells
-experiments on different data apart by that file's hash.
+experiments on different data apart by that file's hash. A local `model.name_or_path` folder is hashed the same
+way (`local_model_folder`, `file_hashes`): its weights are as invisible to DVC as the data.
 
 A file's MD5 is reused while its size, modification time and inode are unchanged (as DVC's own state database
 does), so a large source is read once, not on every run. Imports stay light (no pandas): the stage runs every time.
@@ -64,7 +65,7 @@ def _missing(source: str, path: Path) -> DataError:
     shown = ", ".join(present[:12]) + (f" and {len(present) - 12} more" if len(present) > 12 else "")
     return DataError(
         f"data.source = {source!r}: no such local file or folder ({path} does not exist; {folder} holds: "
-        f"{shown or 'nothing'}){hint} A hub dataset id is looked up only where no local path is meant."
+        f"{shown or 'nothing'}), and a path meant as local is never looked up on the hub{hint}"
     )
 
 
@@ -84,16 +85,24 @@ def resolve_source(source: str, root: Path) -> Source:
     return Source("hub", source)
 
 
-def _files(source: Source) -> list[Path]:
-    if source.kind == "file":
-        assert source.path is not None
-        return [source.path]
-    assert source.path is not None
+def _files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
     found = []
-    for folder, dirs, names in os.walk(source.path):
+    for folder, dirs, names in os.walk(path):
         dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_DIRS)
         found += [Path(folder) / n for n in sorted(names)]
     return found
+
+
+def local_model_folder(name_or_path: str | None, root: Path) -> Path | None:
+    """`model.name_or_path` where it names a local folder (its weights and tokenizer DVC cannot see either), else
+    None (a hub id, pinned by model.revision, or a model built from model.config)."""
+    if name_or_path is None:
+        return None
+    path = Path(name_or_path).expanduser()
+    path = path if path.is_absolute() else root / path
+    return path if path.is_dir() else None
 
 
 def _md5(path: Path) -> str:
@@ -124,20 +133,26 @@ def fingerprint(source: Source, revision: str | None, root: Path) -> dict[str, A
                 "changes on the hub; pin a commit (data.revision) to make every experiment's data reproducible"
             )
         return {"source": source.name, "kind": source.kind, "revision": revision}
+    assert source.path is not None
+    return {"source": source.name, "kind": source.kind, "files": file_hashes(source.path, root)}
+
+
+def file_hashes(path: Path, root: Path) -> dict[str, dict[str, Any]]:
+    """Each file of `path` (a file, or a folder walked whole) by its name relative to the folder: MD5 and size.
+    An MD5 is reused while the file's size, modification time and inode are unchanged."""
     state, seen = _load_state(root), {}
     files: dict[str, dict[str, Any]] = {}
-    base = source.path if source.kind == "folder" else None
-    for path in _files(source):
-        stat = path.stat()
-        key = str(path.resolve())
+    for file in _files(path):
+        stat = file.stat()
+        key = str(file.resolve())
         stamp = [stat.st_size, stat.st_mtime_ns, stat.st_ino]
         known = state.get(key)
-        md5 = known["md5"] if isinstance(known, dict) and known.get("stamp") == stamp else _md5(path)
+        md5 = known["md5"] if isinstance(known, dict) and known.get("stamp") == stamp else _md5(file)
         seen[key] = {"stamp": stamp, "md5": md5}
-        name = str(path.relative_to(base)) if base is not None else path.name
+        name = str(file.relative_to(path)) if path.is_dir() else file.name
         files[name] = {"md5": md5, "size": stat.st_size}
-    _save_state(root, seen)
-    return {"source": source.name, "kind": source.kind, "files": files}
+    _save_state(root, {k: v for k, v in {**state, **seen}.items() if k in seen or Path(k).exists()})
+    return files
 
 
 def _save_state(root: Path, seen: dict[str, Any]) -> None:

@@ -67,7 +67,7 @@ def refuse_tokenize_keys(where: str, keys: list[str]) -> None:
 WHOLE_FILE = "params.yaml"
 STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "validate": (WHOLE_FILE,),
-    "source": ("data.source", "data.revision"),
+    "source": ("data.source", "data.revision", "model.name_or_path"),
     "tokenize": ("task", "data", "model", "seed", "batch_size", "device"),
     "train": (
         "task", "train_on_prompt", "optim", "precision", "weights_dtype", "batch_size", "grad_accum_steps",

@@ -36,7 +36,7 @@ def dataset_source(data: DataParams, root: Path) -> object:
         with warnings.catch_warnings():  # mlflow registers two equal local-file sources and warns that it picked one
             warnings.simplefilter("ignore", UserWarning)
             return resolve_dataset_source(str(local.resolve()))
-    return HuggingFaceDatasetSource(path=data.source)
+    return HuggingFaceDatasetSource(path=data.source, revision=data.revision)  # the pinned commit, recorded
 
 
 def log_datasets(client: object, run_id: str, data: DataParams, root: Path, tokenized_dir: Path) -> None:

@@ -3,6 +3,7 @@ no `-f`; label text of any kind trains, evaluates and reports, every per-class m
 
 from __future__ import annotations
 
+import io
 import json
 import sqlite3
 from pathlib import Path
@@ -66,6 +67,11 @@ def test_an_edited_data_file_re_runs_tokenize_without_force(project_copy: Path, 
     )
     fingerprint = json.loads((root / "metrics/data_source.json").read_text())
     assert fingerprint["kind"] == ("file" if layout == "file" else "folder")
+    # `dvc exp show` tells the two experiments' data apart: the fingerprint is a dependency, its hash a column.
+    shown = run(["dvc", "exp", "show", "--csv", "--no-pager"], root).stdout
+    table = pd.read_csv(io.StringIO(shown))
+    hashes = table.loc[table["Experiment"].notna() & (table["Experiment"] != ""), "metrics/data_source.json"]
+    assert hashes.nunique() >= 2, shown
 
 
 def test_labels_of_any_text_train_evaluate_and_report_through_dvc(project_copy: Path):

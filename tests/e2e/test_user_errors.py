@@ -44,7 +44,14 @@ CASES = [
         "tokenize",
         {"data.source": "data/raw.csv"},
         None,
-        "data.source = 'data/raw.csv': file not found",
+        "data.source = 'data/raw.csv': no such local file or folder",
+    ),
+    (
+        "misspelled local folder",
+        "source",
+        {"data.source": "mydata/csvv"},
+        ("mydata/csv/train.csv", b"text,label\nhello world,a\nbye now,b\n"),
+        "data.source = 'mydata/csvv': no such local file or folder",
     ),
     (
         "unreadable data file",
