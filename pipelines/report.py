@@ -365,13 +365,13 @@ def build_report(
     parent_run_id: str,
     out_dir: Path,
     last_commit: tuple[str, str] | None = None,
-    confusion: list[dict[str, str]] | None = None,
-    per_class: list[dict[str, Any]] | None = None,
+    evaluated: dict[str, list[dict[str, Any]]] | None = None,
 ) -> str:
     """Write report.md, report.html and the PNGs into `out_dir`; return the markdown. `last_commit` (the best
     trial's run id of the commit this run started from, and the commit) is the baseline of a one-variant run;
-    `confusion`: the evaluate stage's (actual, predicted) pairs, drawn as a confusion matrix; `per_class`: its
-    per-class rows, tabled with each label as written."""
+    `evaluated`: the evaluate stage's plot rows, `confusion` ((actual, predicted) pairs, drawn as a confusion
+    matrix) and `per_class` (tabled with each label as written)."""
+    evaluated = evaluated or {}
     # Each trial by its name (TRIAL_NAME_TAG): the default variant's says what the experiment changed, not `default`.
     rows = load_rows(client, experiment_id, parent_run_id)
     rows = [replace(r, name=r.tags.get(TRIAL_NAME_TAG, r.name)) for r in rows]
@@ -381,10 +381,12 @@ def build_report(
     plot_tradeoff(rows, out_dir / "tradeoff.png")
     plot_loss_curves(client, rows, out_dir / "loss_curves.png")
     plot_throughput(rows, out_dir / "throughput.png")
-    content = replace(collect_content(rows, parent_run_id, experiment_id), per_class=per_class_table(per_class or []))
+    content = replace(
+        collect_content(rows, parent_run_id, experiment_id), per_class=per_class_table(evaluated.get("per_class", []))
+    )
     if plot_lr_range(client, rows, out_dir / LR_RANGE_FIGURE[1]):
         content = replace(content, figures=(*content.figures, LR_RANGE_FIGURE))
-    if plot_confusion(confusion or [], out_dir / CONFUSION_FIGURE[1]):
+    if plot_confusion(evaluated.get("confusion", []), out_dir / CONFUSION_FIGURE[1]):
         content = replace(content, figures=(*content.figures, CONFUSION_FIGURE))
     markdown = render_markdown(content)
     (out_dir / "report.md").write_text(markdown, encoding="utf-8")

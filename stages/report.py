@@ -44,10 +44,13 @@ def main() -> None:
     summary = json.loads(TRIALS.read_text())
     client, _ = open_store(params.tracking, resolve_repo_root())
     with atomic_dir(OUT_DIR) as tmp:
-        confusion = json.loads(CONFUSION.read_text()) if CONFUSION.is_file() else None
-        per_class = json.loads(PER_CLASS.read_text(encoding="utf-8")) if PER_CLASS.is_file() else None
+        evaluated = {
+            name: json.loads(path.read_text(encoding="utf-8"))
+            for name, path in (("confusion", CONFUSION), ("per_class", PER_CLASS))
+            if path.is_file()
+        }
         build_report(client, summary["experiment_id"], summary["parent_run_id"], tmp, last_commit_best_run(),
-                     confusion, per_class)  # fmt: skip
+                     evaluated)  # fmt: skip
         check_trained(MODELS, "report", quiet=True)  # again, before reports/ is replaced
     parent, retry_s = summary["parent_run_id"], params.tracking.upload_retry_s
     send = lambda: client.log_artifacts(parent, str(OUT_DIR), artifact_path="report")  # noqa: E731

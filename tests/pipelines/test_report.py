@@ -93,7 +93,7 @@ def test_the_evaluated_models_confusion_matrix_is_drawn_into_the_report(tmp_path
     out.mkdir()
     pairs = [{"actual": a, "predicted": p} for a, p in [("World", "World")] * 9 + [("World", "Sports")] * 3
              + [("Sports", "Sports")] * 8 + [("Business", "Sci/Tech")] * 2]  # fmt: skip
-    markdown = build_report(client, experiment_id, parent, out, confusion=pairs)
+    markdown = build_report(client, experiment_id, parent, out, evaluated={"confusion": pairs})
     assert "![Confusion matrix (test split, the evaluated model)](confusion.png)" in markdown
     assert colored_pixels(out / "confusion.png") > 2000  # the cells, shaded by count
     assert "Confusion matrix" in (out / "report.html").read_text()
@@ -386,3 +386,19 @@ def test_a_search_spaces_configurations_are_rows_of_their_own_with_their_seeds_a
     # Each configuration's own seeds, by hand: mean 61.0, sd sqrt(2) = 1.4; mean 42.0, sd sqrt(8) = 2.8.
     assert rows["vanilla · lr=0.001"]["Train time"] == "61.0 s ± 1.4 (n=2) (100%)"
     assert rows["vanilla · lr=0.003"]["Train time"].startswith("42.0 s ± 2.8 (n=2) (69%")
+
+
+def test_the_per_class_table_shows_each_label_as_written_beside_its_metric_key():
+    from pipelines.report import markdown_table, per_class_table
+    from pipelines.tasks.classification_scoring import per_class_rows
+
+    names = ["  Spaced  ", "A | B", "経済"]
+    metrics = {f"test_{kind}.{key}": 0.5 for kind in ("precision", "recall") for key in ("Spaced", "A_B", "経済")}
+    table = per_class_table(per_class_rows(metrics, names))
+    assert [row[:2] for row in table[1:]] == [
+        ['"  Spaced  "', "test_precision.Spaced, test_recall.Spaced"],
+        ['"A | B"', "test_precision.A_B, test_recall.A_B"],
+        ['"経済"', "test_precision.経済, test_recall.経済"],
+    ]
+    assert '| "A \\| B" |' in markdown_table(table)  # a `|` in a label is no column of its own
+    assert per_class_table([{"class": "0 words", "recall": 1.0}]) == []  # a generation task's rows: no keys, no table
