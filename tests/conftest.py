@@ -177,9 +177,16 @@ def start_session_ray(logical_cpus: int, cwd: Path) -> int:
     Its processes, the trials' included, run in `cwd`.
     """
     port = free_port()
+    # A token first, where this machine has none: `ray start --head` turns token auth on exactly when
+    # ~/.ray/auth_token exists, and every driver that joins by address switches to token mode once it exists
+    # (`use_cluster_token`, Ray's own rule), while the first stage that starts a local cluster of its own (ray.init)
+    # writes one. Without it, the session's cluster ran without auth, and every trial placed on it after such a stage
+    # was cancelled before it started ("The actor never ran"): the suite passed or failed by the order of its tests.
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    subprocess.run([ray_cli, "get-auth-token", "--generate"], env=git_env(), capture_output=True, timeout=60)
     # The dashboard agent's default port (52365) is chosen free too, so a test's own `ray start --head` can run.
     head = subprocess.Popen(
-        [str(Path(sys.executable).parent / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
+        [ray_cli, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
          f"--num-cpus={logical_cpus}", "--include-dashboard=false", "--disable-usage-stats",
          f"--dashboard-agent-listen-port={free_port()}", '--system-config={"prestart_worker_first_driver": false}'],
         cwd=cwd, env=git_env(), start_new_session=True,
