@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from pathlib import Path
@@ -29,8 +30,10 @@ BERT_3M = {
 
 
 def report_rows(markdown: str) -> dict[str, dict[str, str]]:
-    """The comparison table of reports/report.md as {trial: {header: cell}}."""
-    lines = [line for line in markdown.splitlines() if line.startswith("|")]
+    """The comparison table of reports/report.md (its first table; the per-class one follows) as {trial: {header:
+    cell}}."""
+    from_first = itertools.dropwhile(lambda line: not line.startswith("|"), markdown.splitlines())
+    lines = list(itertools.takewhile(lambda line: line.startswith("|"), from_first))
     header = [c.strip() for c in lines[0].strip("|").split("|")]
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
     return {cells[0]: dict(zip(header, cells, strict=True)) for cells in rows}
