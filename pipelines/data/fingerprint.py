@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipelines.atomic import atomic_write_text
 from pipelines.errors import UserError, warn_user
 from pipelines.params import GENERATOR_SOURCE
 
@@ -160,6 +161,4 @@ def _save_state(root: Path, seen: dict[str, Any]) -> None:
     if not target.parent.parent.is_dir():  # no .dvc folder: not a DVC repository, nothing to keep
         return
     target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    temporary.write_text(json.dumps(seen), encoding="utf-8")
-    temporary.replace(target)
+    atomic_write_text(target, json.dumps(seen))

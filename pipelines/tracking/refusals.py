@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from pipelines.atomic import atomic_write_text
 from pipelines.errors import UserError
 
 FALLBACK_DIR = "mlflow-fallback"  # under the repository root (TrialContext.fallback_dir)
@@ -68,9 +69,7 @@ def write_fallback(folder: Path, record: dict[str, Any]) -> Path:
     """Keep what an outage left undelivered (a run's metrics, tags and final status) as `<folder>/<run id>.json`."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{record['run_id']}.json"
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(json.dumps(record) + "\n", encoding="utf-8")
-    temporary.replace(path)
+    atomic_write_text(path, json.dumps(record) + "\n")
     return path
 
 
