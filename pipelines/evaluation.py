@@ -1,13 +1,15 @@
-"""Loading a saved model of any task, with the params it was trained with, and scoring it on the test split."""
+"""Loading a saved model of any task, with the params it was trained with, and scoring it on the test split; the
+evaluate stage's metrics file. Light at import (torch and transformers only inside `evaluate_saved_model`): the
+evaluate stage that reuses its trial's scoring (`pipelines.scored`) imports neither."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pipelines.data.tokenization import TokenizedSplit
-from pipelines.params import Params
-from pipelines.tasks.base import EvaluationResult
+if TYPE_CHECKING:
+    from pipelines.tasks.base import EvaluationResult
 
 
 def evaluate_saved_model(model_dir: Path, tokenized_dir: Path) -> EvaluationResult:
@@ -15,6 +17,8 @@ def evaluate_saved_model(model_dir: Path, tokenized_dir: Path) -> EvaluationResu
     from transformers import AutoTokenizer
 
     from pipelines.adapters import load_trained_model
+    from pipelines.data.tokenization import TokenizedSplit
+    from pipelines.params import Params
     from pipelines.runtime import resolve_device, resolve_runtime
     from pipelines.tasks import get_task
 
@@ -34,7 +38,7 @@ TRAINED_HEAD = ("train_time_s", "peak_train_memory_mib", "timing")
 
 
 def dvc_metrics(
-    task_name: str, evaluated: dict[str, float], trained: dict[str, float | str], compared: dict[str, float | str]
+    headline: str, evaluated: dict[str, float], trained: dict[str, float | str], compared: dict[str, float | str]
 ) -> dict[str, float | str]:
     """The evaluate stage's metrics file, in the order `dvc exp show` shows its columns: what the experiment changed
     from its baseline commit (`compared["changed"]`), the task's headline quality, train time, peak train memory
@@ -42,9 +46,6 @@ def dvc_metrics(
     other training figures (`trained`) and the other test figures, sorted. A terminal's pager shows the table's
     left edge (`less -S`; DVC renders it at full width for the pager), so this order is what a person sees at 120
     columns. Per-class figures (dotted names) stay in MLflow and the plots, out of every experiment's columns."""
-    from pipelines.tasks import get_task
-
-    headline = get_task(task_name).quality[0].metric
     pool: dict[str, float | str] = {**compared, **trained}
     ordered = {k: pool[k] for k in HEAD_COLUMNS if k in pool}
     ordered.update({k: evaluated[k] for k in (headline,) if k in evaluated})

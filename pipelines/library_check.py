@@ -2,9 +2,10 @@
 
 The memory measurement subclasses torch's `MemTracker` and reads its private state, the non-finite step check
 reads `GradScaler._found_inf_per_device`, and the causal LM's loss passes transformers a 2-D `logits_to_keep`.
-They were checked on torch 2.13 and transformers 5.23 (pyproject's ranges start there); a version where one of
-them is gone gets this error from the train stage (`pipelines.runtime.check_runtime`), before any run opens, rather
-than a stack trace mid-run.
+They were checked on torch 2.13 and transformers 5.23 to 5.24 (pyproject bounds both to the versions tested; moving a
+bound: docs/how-to/move-a-version-bound.md). This check is the backstop for an install that bypassed the bounds: a
+version where one of them is gone gets this error from the train stage (`pipelines.runtime.check_runtime`), before
+any run opens, rather than a stack trace mid-run.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import re
 import sys
 from pathlib import Path
 
-CHECKED_ON = "torch 2.13 and transformers 5.23"
+CHECKED_ON = "torch 2.13 and transformers 5.23 to 5.24"
 
 
 def missing_internals() -> list[str]:
@@ -75,6 +76,28 @@ def check_library_internals() -> None:
 
         raise UserError(
             f"this torch ({torch.__version__}) or transformers ({transformers.__version__}) lacks what pipelines "
-            f"relies on: {', '.join(missing)}; it was checked on {CHECKED_ON}: pip install 'torch>=2.13' "
-            "'transformers>=5.23,<6'"
+            f"relies on: {', '.join(missing)}; it was checked on {CHECKED_ON}: pip install "
+            f"'{declared('torch')}' '{declared('transformers')}' (pyproject's bounds; moving one: "
+            "docs/how-to/move-a-version-bound.md)"
         )
+
+
+def declared(distribution: str) -> str:
+    """This package's declared requirement on `distribution` (its bounds), as pip takes it: 'torch>=2.13,<2.14'."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    try:
+        found = [r.split(";")[0].strip() for r in requires("pipelines") or [] if re.match(rf"{distribution}\b", r)]
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        found = []
+    return found[0] if found else distribution
+
+
+if __name__ == "__main__":  # `python -m pipelines.library_check`: docs/how-to/move-a-version-bound.md, step 2
+    import torch
+    import transformers
+
+    gone = missing_internals()
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}: "
+          + (f"missing {', '.join(gone)}" if gone else "every internal pipelines relies on is there"))  # fmt: skip
+    sys.exit(1 if gone else 0)

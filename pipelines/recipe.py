@@ -34,6 +34,7 @@ from pipelines.resolve.preflight import Preflight, plan_before_training, trial_p
 from pipelines.resolve.target import trial_target
 from pipelines.resolve.training import ResolvedTraining, resolve_training
 from pipelines.runtime import Runtime, emulated_bf16_warning, resolve_device, resolve_runtime
+from pipelines.scored import Scoring, save_scoring
 from pipelines.tasks import get_task
 from pipelines.tasks.base import Task
 from pipelines.train.checkpoint import discard
@@ -298,5 +299,10 @@ def evaluate_and_save(trial: Trial, setup: Setup, resolved: ResolvedTraining, re
         trial.log_model(out, params, tokenizer, test, trial.say)
         metrics["log_model_time_s"] = time.perf_counter() - log_start
     (out / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    # Last, over the finished folder: the evaluate stage reuses this scoring while the folder, the test split and the
+    # code still hash the same, instead of loading the model to score the same rows again (pipelines.scored).
+    scoring = Scoring(evaluation.metrics, evaluation.predictions.to_csv(index=False), evaluation.plots,
+                      setup.task.quality[0].metric, f"{runtime.device.type}, {runtime.precision}")  # fmt: skip
+    save_scoring(out, tokenized / "test", scoring)
     discard(trial.checkpoint_dir)  # finished: a later run with the same params must train, not skip
     return metrics

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from mlflow.tracking import MlflowClient
 
 from pipelines.comparison import COLUMNS
 from pipelines.report import format_metric
+from pipelines.scored import RECORD
 from tests.conftest import FINAL_METRICS, run, up_to_date
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -105,6 +107,33 @@ def assert_registered_model_predicts_as_models_best(root: Path, client: MlflowCl
     assert len(set(expected)) > 1  # a model that answers, not a constant
 
 
+def assert_test_split_scored_once(root: Path, printed: str) -> None:
+    """The evaluate stage took the trial's scoring of the test split (issue 69), importing no torch or transformers
+    to do so, and wrote what scoring the saved model itself writes (counted and compared, not timed)."""
+    assert "so it is not scored again" in printed
+    outputs = ("metrics/evaluate.json", "predictions/test.csv", "plots/confusion.json", "plots/per_class.json")
+    reused = {name: (root / name).read_text() for name in outputs}
+    imports = run([sys.executable, "-X", "importtime", "-m", "stages.evaluate"], root).stderr
+    modules = {line.split("|")[-1].strip() for line in imports.splitlines() if line.startswith("import time:")}
+    assert not {"torch", "transformers", "ray"} & modules
+    assert {name: (root / name).read_text() for name in outputs} == reused  # the same files, again
+    record = root / "models/best" / RECORD
+    kept = record.read_bytes()
+    record.unlink()
+    try:
+        scored = run([sys.executable, "-m", "stages.evaluate"], root)
+        assert "not scored again" not in scored.stdout
+        for name in outputs[1:]:  # the same predictions and plots from the model loaded anew and scored here
+            assert (root / name).read_text() == reused[name], name
+        fresh, before = (json.loads(text) for text in ((root / outputs[0]).read_text(), reused[outputs[0]]))
+        assert {k: v for k, v in fresh.items() if k != "eval_samples_per_s"} == {
+            k: v for k, v in before.items() if k != "eval_samples_per_s"}  # fmt: skip
+    finally:
+        record.write_bytes(kept)
+    run([sys.executable, "-m", "stages.evaluate"], root)  # the outputs as dvc repro left them, for the steps below
+    assert {name: (root / name).read_text() for name in outputs} == reused
+
+
 def test_repro_noop_exp_run_and_bad_values(project_copy: Path, own_ray_cluster: None):
     root = project_copy
 
@@ -143,6 +172,7 @@ def test_repro_noop_exp_run_and_bad_values(project_copy: Path, own_ray_cluster: 
     plots = run(["dvc", "plots", "show", "-o", str(root.parent / "plots_html")], root)
     page = (root.parent / "plots_html" / "index.html").read_text()
     assert "Confusion matrix" in page and "Training loss" in page, plots.stdout
+    assert_test_split_scored_once(root, printed)
 
     # 2. A second repro does nothing, in seconds.
     start = time.monotonic()

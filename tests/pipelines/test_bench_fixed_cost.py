@@ -28,4 +28,8 @@ def test_the_smoke_run_times_the_pipeline_and_the_plain_script_and_splits_by_sta
     assert abs(sum(round_["split"].values()) - round_["pipeline_s"]) < 0.5  # the parts add up to the whole
     assert 0 < round_["plain"]["train_time_s"] < round_["plain_s"] and 0 <= round_["plain"]["test_accuracy"] <= 1
     assert report["ratio"] == pytest.approx(report["pipeline_median_s"] / report["plain_median_s"])
+    # The same experiment joined to a running Ray head ran the same stages, and its parts add up too.
+    assert set(round_["head_split"]) == set(round_["split"])
+    assert abs(sum(round_["head_split"].values()) - round_["head_s"]) < 0.5
+    assert report["head_ratio"] == pytest.approx(report["head_median_s"] / report["plain_median_s"])
     assert "| **ratio** |" in done.stdout
