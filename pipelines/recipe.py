@@ -37,6 +37,7 @@ from pipelines.runtime import Runtime, emulated_bf16_warning, resolve_device, re
 from pipelines.scored import Scoring, save_scoring
 from pipelines.tasks import get_task
 from pipelines.tasks.base import Task
+from pipelines.tasks.chance import AT_CHANCE_TAG, at_chance_note
 from pipelines.train.checkpoint import discard
 from pipelines.train.compiled_step import use_cache
 from pipelines.train.engine import TrainRequest, TrainResult, run_training
@@ -271,6 +272,10 @@ def evaluate_and_save(trial: Trial, setup: Setup, resolved: ResolvedTraining, re
     params, tokenizer, out = resolved.params, setup.tokenizer, trial.out
     runtime = resolved.runtime
     tokenized = Path(trial.context.tokenized_dir)
+    note = at_chance_note(setup.task, result.metrics, TokenizedSplit.load(tokenized / "validation"), params)
+    if note is not None:  # trained to nothing usable: said, and tagged on the run, before it is saved as if it had
+        warn_user(note)
+        trial.logger.log_tags({AT_CHANCE_TAG: note})
     eval_start = time.perf_counter()
     test = TokenizedSplit.load(tokenized / "test")
     evaluation = setup.task.evaluate(setup.model, tokenizer, test, tokenized, params, runtime)

@@ -53,7 +53,7 @@ def main() -> None:
     several = plan_clusters(params, resolve_repo_root(), TOKENIZED, [c for c in clusters.values() if c is not None])
     print(
         "\n\n".join(
-            [target_table(name, entries) for name, entries in plans.items()]
+            [target_table(name, entries, params) for name, entries in plans.items()]
             + [cluster_table(v, plan) for entries in several.values() for v, plan in entries.items()]
         )
     )

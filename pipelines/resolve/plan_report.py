@@ -168,6 +168,8 @@ def _fastest(variant: Params, planner: object, target: PlanTarget, budget: int |
         changes["precision"] = "auto"
     auto = apply_overrides(variant, changes)
     where = f"the {target.name}" if target.card is not None else f"memory_budget {_gib(budget_bytes(auto) or 0)}"
+    if variant.distributed.num_workers > 1:  # a plan is one worker's: a 70B under FSDP on 8 cards is not one card's
+        where = f"each worker's {where.removeprefix('the ')} ({_workers(variant)})"
     try:
         choice = choose_strategy(auto, planner, target, planning=True)  # type: ignore[arg-type]
     except (PlanUnavailable, UserError) as err:
@@ -209,12 +211,21 @@ def _size(value: int | None) -> str:
     return "—" if value is None else f"{value / MIB:,.1f} MiB"
 
 
-def target_table(name: str, plans: dict[str, TargetPlan]) -> str:
+def _workers(params: Params) -> str:
+    """'8 FSDP workers': who shares the plan's figures, each on a card of its own."""
+    return f"{params.distributed.num_workers} {params.distributed.strategy.upper()} workers"
+
+
+def target_table(name: str, plans: dict[str, TargetPlan], params: Params | None = None) -> str:
     """One target's plans as a markdown table within 120 columns, one row per variant (the reserve, parameters,
     gradients, optimizer state, activations, batch and evaluation peaks are in metrics/plan.json), then the TF32
-    setting the step times assume and each variant's fastest fitting configuration."""
+    setting the step times assume and each variant's fastest fitting configuration. With several workers
+    (`params.distributed.num_workers`), the heading says the figures are each worker's, on a card of its own."""
+    heading = f"Target: {name}"
+    if params is not None and params.distributed.num_workers > 1:
+        heading += f", one per worker ({_workers(params)}): every peak, fit and step below is one worker's"
     lines = [
-        f"Target: {name}",
+        heading,
         "",
         "| Variant | Precision | Predicted peak | Fits | Recommended | Step, eager | Step, compiled | Samples/s |",
         "|---|---|---|---|---|---|---|---|",

@@ -104,6 +104,12 @@ class Task(ABC):
         return [tokenizer.decode(split.input_ids[split.offsets[i] : split.offsets[i] + split.lengths[i]],
                                  skip_special_tokens=True) for i in rows]  # fmt: skip
 
+    # ---- quality: did it learn at all (pipelines.tasks.chance) ---------------------------
+    def chance_level(self, validation: TokenizedSplit) -> tuple[str, float] | None:
+        """(validation metric, what always giving the commonest answer scores on it), where the task has such a
+        level; None where it has not (generation: no single commonest answer)."""
+        return None
+
     # ---- data: source rows -> token ids -------------------------------------------------
     @abstractmethod
     def generate(self, data: DataParams) -> pd.DataFrame:

@@ -67,6 +67,10 @@ class ClassificationTask(Task):
     )
     input_column = "text"
 
+    def chance_level(self, validation: TokenizedSplit) -> tuple[str, float] | None:
+        counts = np.bincount(np.asarray(validation.labels, dtype=np.int64))
+        return ("val_accuracy", float(counts.max() / counts.sum())) if counts.sum() else None
+
     @torch.inference_mode()
     def predict_texts(
         self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, params: Params, labels: list[str] | None,

@@ -343,3 +343,23 @@ def test_a_cards_dropout_keeps_a_bool_mask_as_cudas_fused_kernel_does():
     assert F.dropout(x, 0.1, training=True).grad_fn._saved_other.dtype == torch.float32  # the CPU's own
     on_card.sum().backward()
     assert torch.equal(x.grad != 0, on_card != 0)  # the mask's gradient: zero where dropped
+
+
+def test_a_plan_for_several_workers_says_its_figures_are_each_workers(default_params, tmp_path):
+    """`distributed.num_workers: 8` planned for one card printed `Target: A100-80GB` and "fastest that fits the
+    A100-80GB", as if one card held the run: the figures are each worker's, on a card of its own (issue 71)."""
+    from pipelines.prepare import prepare_dataset
+    from pipelines.resolve.plan_report import plan_targets, target_table
+
+    settings = {"data.generator.num_rows": 300, "tune.variants": {"vanilla": {}}, "batch_size": 8, "precision": "fp32",
+                "distributed.num_workers": 2}  # fmt: skip
+    params = tiny_params(default_params, **settings)
+    prepare_dataset(params, tmp_path, tmp_path / "tokenized")
+    plans = plan_targets(params, tmp_path, tmp_path / "tokenized", [target_named("T4")])
+    table = target_table("T4", plans["T4"], params)
+    assert table.startswith(
+        "Target: T4, one per worker (2 DDP workers): every peak, fit and step below is one worker's"
+    )
+    assert "fastest that fits each worker's T4 (2 DDP workers): " in table, table
+    assert "one per worker" not in target_table("T4", plans["T4"], tiny_params(default_params, **{
+        **settings, "distributed.num_workers": 1}))  # fmt: skip
