@@ -1,11 +1,13 @@
 """Tags that tell runs on different machines apart: the device (a CUDA card's name, memory, compute capability and
-driver; a CPU's ISA level), the host's cores and the library versions."""
+driver; a CPU's ISA level), the host's cores and identity, and the library versions."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import re
+import socket
 import subprocess
 from pathlib import Path
 
@@ -29,12 +31,32 @@ def environment_tags(cuda_allowed: bool = True) -> dict[str, str]:
         "env.transformers": transformers.__version__,
         "env.platform": platform.platform(),
         "env.cpu_count": str(os.cpu_count()),
+        "env.host_id": host_id(),
     }
     if cuda_allowed and torch.cuda.is_available():
         tags.update(cuda_device_tags(0))
     else:
         tags["env.device"] = f"cpu ({torch.backends.cpu.get_cpu_capability()})"
     return tags
+
+
+# What tells two machines apart when their names and devices are alike (two cloud VMs named `vm`, each "cpu (AVX512),
+# 2 cores"): the OS install's machine id, and the kernel's id of this boot, which differs between two VMs made from
+# one image (they share the machine id). A reboot changes it too: a time taken before one is then not assumed
+# comparable, which errs on the side of saying so.
+IDENTITY_FILES = (Path("/etc/machine-id"), Path("/proc/sys/kernel/random/boot_id"))
+
+
+def host_id(files: tuple[Path, ...] = IDENTITY_FILES) -> str:
+    """8 hex digits naming this machine since its last boot: a hash of its host name, machine id and boot id (those
+    of the files that exist), never the ids themselves."""
+    parts = [socket.gethostname()]
+    for path in files:
+        try:
+            parts.append(path.read_text(encoding="utf-8").strip())
+        except OSError:
+            parts.append("")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:8]
 
 
 def cuda_device_tags(index: int) -> dict[str, str]:

@@ -71,7 +71,7 @@ def training_figures(client: Any, run_id: str) -> dict[str, float | str]:
     """The evaluated model's own training figures, from its trial's MLflow run: train time (s), peak train memory
     (MiB), samples/s, the host's load per core while it trained (above 1, its times were taken under load), how
     many trials of the project trained on the host at once (`concurrent_trials`, above 1: the cores were shared)
-    and where it was timed (`timed_on`: the host's name and device), for the headline of `dvc exp show`. A
+    and where it was timed (`timed_on`: the host's name and id, and its device), for the headline of `dvc exp show`. A
     registered version evaluated in place of models/best (`eval.model_uri`) brings its own run's figures, not this
     train run's."""
     run = client.get_run(run_id)
@@ -83,7 +83,9 @@ def training_figures(client: Any, run_id: str) -> dict[str, float | str]:
     tags = run.data.tags
     if "host" in tags:
         cores = f", {logged['host_cores']:g} cores" if "host_cores" in logged else ""
-        figures["timed_on"] = f"{tags['host']}: {tags.get('env.device', 'unknown device')}{cores}"
+        # The host's id beside its name: two machines of one name and kind are not one host (issue 71).
+        host = f"{tags['host']} #{tags['env.host_id']}" if "env.host_id" in tags else tags["host"]
+        figures["timed_on"] = f"{host}: {tags.get('env.device', 'unknown device')}{cores}"
     return figures
 
 
