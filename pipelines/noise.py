@@ -8,6 +8,13 @@ times the standard error of the difference. Repeated over seeds, that is Welch's
 the seeds' spreads and Student's t quantile at the Welch-Satterthwaite degrees of freedom (with n = 2 per
 side, about 4.3, not 1.96: a normal quantile would mark far too much). One run each, only accuracy has a
 noise estimate, the binomial standard errors of both trials, with the normal quantile.
+
+Why by hand, not scipy.stats (a review asked, issue 71): `import scipy.stats` takes 0.68-0.75 s on 2 cores, and
+Wilson's interval is needed by every trial's test scoring and every report, processes whose start-up is the fixed
+cost of an experiment (benchmarks/RESULTS.md, issue 69); Wilson's formula is 7 lines. Welch's standard error and
+degrees of freedom are kept as a pair because `exceeds_noise` takes both. tests/pipelines/test_noise.py checks all
+three against scipy (`binomtest(...).proportion_ci(method="wilson")`, `ttest_ind(equal_var=False)`,
+`t.interval`) to 1e-12; scipy's t quantile is used as it is (`critical_value`), imported only when repeats exist.
 """
 
 from __future__ import annotations
