@@ -3,7 +3,8 @@
 A CPU trial's time moves with whatever else runs on the machine (on a shared 2-core host, 5.7 s quiet and 73 s
 under load for the same run), so a time is only comparable with the load it was taken under. The load average
 counts runnable threads, the trial's own included: above the number of usable cores, threads waited for a CPU.
-Steal is the share of CPU time the hypervisor gave to other guests (/proc/stat), which no load figure shows.
+Steal is the share of CPU time the hypervisor gave to other guests (psutil.cpu_times), which no load figure
+shows.
 """
 
 from __future__ import annotations
@@ -11,10 +12,8 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 
 SAMPLE_EVERY_S = 5.0
-PROC_STAT = Path("/proc/stat")
 
 
 def usable_cores() -> int:
@@ -25,15 +24,18 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def cpu_times() -> tuple[int, int] | None:
-    """(all CPU time, stolen CPU time) in clock ticks since boot, summed over CPUs; None without /proc/stat."""
+def cpu_times() -> tuple[float, float] | None:
+    """(all CPU time, stolen CPU time) in seconds since boot, summed over CPUs (psutil's reading of /proc/stat on
+    Linux); None where psutil cannot read them. Guest time is already counted in user and nice time, so it is left
+    out of the sum."""
+    import psutil
+
     try:
-        fields = PROC_STAT.read_text().splitlines()[0].split()
-    except OSError:
+        times = psutil.cpu_times()
+    except (OSError, RuntimeError):
         return None
-    ticks = [int(v) for v in fields[1:]]
-    # user nice system idle iowait irq softirq steal [guest guest_nice, already counted in user and nice]
-    return sum(ticks[:8]), (ticks[7] if len(ticks) > 7 else 0)
+    parts = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+    return sum(getattr(times, name, 0.0) for name in parts), getattr(times, "steal", 0.0)
 
 
 def is_under_load(load: float | None, cores: float | None) -> bool:
@@ -49,7 +51,7 @@ class HostLoad:
     loads: list[float] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
-    _cpu_at_start: tuple[int, int] | None = None
+    _cpu_at_start: tuple[float, float] | None = None
 
     def start(self) -> HostLoad:
         self._cpu_at_start = cpu_times()
