@@ -6,7 +6,9 @@
   `None/config.json`.
 - The tokenizer's `model_max_length` is the model's real maximum: a tokenizer built here has none (transformers'
   1e30 sentinel), so `pipeline(..., truncation=True)` would not cut a long text at all.
-- `README.md` is a model card (task, base, data digest, metrics, how to load), not peft's empty template.
+- `README.md` is a model card (task, base, data digest, metrics, how to load), not peft's empty template; its front
+  matter is huggingface_hub's `ModelCardData`, written by `ModelCard`, so the hub and its tools read what they
+  expect (`ModelCard.load(folder / "README.md").data`).
 """
 
 from __future__ import annotations
@@ -74,12 +76,13 @@ def write_model_card(
     tag, peft_class = _BY_PEFT_TASK.get(peft_task_type, ("", ""))
     adapter = (folder / ADAPTER_CONFIG).is_file()
     base = base_name or (f"{BASE_DIR}/ beside this card (built from model.config)" if adapter else "model.config")
-    front = ["---", f"library_name: {'peft' if adapter else 'transformers'}", f"pipeline_tag: {tag}",
-             "tags: [pipelines, " + params.task + (", lora" if adapter else "") + "]"]  # fmt: skip
+    from huggingface_hub import ModelCard, ModelCardData
+
     local_base = base_name is not None and Path(base_name).is_absolute()
-    if base_name is not None and not local_base:  # the hub's field names a hub id, never a path on one machine
-        front.append(f"base_model: {base_name}")
-    front.append("---")
+    # The front matter as the hub's own classes write and validate it; base_model names a hub id, never a path.
+    data = ModelCardData(library_name="peft" if adapter else "transformers", pipeline_tag=tag or None,
+                         tags=["pipelines", params.task] + (["lora"] if adapter else []),
+                         base_model=base_name if base_name is not None and not local_base else None)  # fmt: skip
     if local_base:
         base = f"{Path(base_name).name} (a local folder; on the machine that trained it: {base_name})"  # type: ignore[arg-type]
     rows = [f"| {name} | {value:.4g} |" for name, value in metrics.items()]
@@ -111,7 +114,7 @@ def write_model_card(
     ]
     if adapter and params.model.gguf_file:
         body += ["", f"The base is a GGUF file, `{params.model.gguf_file}` (de-quantized on load): `gguf_file` above."]
-    (folder / "README.md").write_text("\n".join(front + body) + "\n", encoding="utf-8")
+    ModelCard(f"---\n{data.to_yaml()}\n---\n" + "\n".join(body) + "\n").save(folder / "README.md")
 
 
 def follow_move(folder: Path) -> None:

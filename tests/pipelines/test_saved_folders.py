@@ -50,6 +50,13 @@ def test_a_lora_classifier_reloads_with_auto_peft_and_says_what_it_is(default_pa
     card = (folder / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: peft\npipeline_tag: text-classification")
     assert "| test_accuracy |" in card and "digest `" in card and "classification" in card
+    # What the hub's own reader makes of it (huggingface_hub.ModelCard, as the hub and its tools load a card).
+    from huggingface_hub import ModelCard
+
+    read = ModelCard.load(folder / "README.md").data
+    assert (read.library_name, read.pipeline_tag, read.tags) == ("peft", "text-classification",
+                                                                 ["pipelines", "classification", "lora"])  # fmt: skip
+    assert read.base_model is None  # built from model.config: no hub id to name, and never a local path
 
 
 def test_a_lora_causal_lm_reloads_with_auto_peft_and_generates(default_params, tmp_path):
