@@ -22,6 +22,9 @@ from pipelines.trial_context import REPEAT_KEY
 
 BASELINE_ENV = "DVC_EXP_BASELINE_REV"
 CHANGED_WIDTH = 32  # the `changed` column's most characters: the headline figures after it stay on screen
+# The `timing` column's most characters: with `changed` (32), a quality column (test_exact_match, 16), train_time_s
+# (12) and DVC's padding (11), the README's `dvc exp show` line stays within 120 columns, so no cell is cut to `…`.
+TIMING_WIDTH = 28
 NO_BASELINE = "no baseline"
 
 
@@ -110,22 +113,32 @@ def _load_marks(figures: Mapping[str, Any], prefix: str) -> list[str]:
     return marks
 
 
-def timing_note(figures: Mapping[str, Any], committed: Mapping[str, Any] | None) -> str:
+def timing_note(figures: Mapping[str, Any], committed: Mapping[str, Any] | None, width: int = TIMING_WIDTH) -> str:
     """What to know before setting this train time beside the baseline commit's (`committed`: its metrics file):
     'ok' when both were timed on this host, alone and unloaded; otherwise marks, joined by ', ': 'shared by N' (N
     trials of the project trained here at once: `dvc queue start -j`, Ray concurrency, two terminals), 'load
     X/core' (threads waited for a CPU), 'baseline: other host' (or 'baseline: host unknown'), 'baseline: load
-    X/core', 'baseline: shared by N'; 'no baseline' without a committed metrics file. `figures` holds this run's
-    `timed_on`, `host_load_per_core` and `concurrent_trials`."""
+    X/core', 'baseline: shared by N'; 'no baseline' without a committed metrics file; at most `width` characters
+    (`fit_marks`). `figures` holds this run's `timed_on`, `host_load_per_core` and `concurrent_trials`."""
     marks = _load_marks(figures, "")
     if committed is None:
-        return ", ".join([*marks, NO_BASELINE])
+        return fit_marks([*marks, NO_BASELINE], width)
     if committed.get("timed_on") is None:
         marks.append("baseline: host unknown")
     elif committed["timed_on"] != figures.get("timed_on"):
         marks.append("baseline: other host")
     marks += _load_marks(committed, "baseline: ")
-    return ", ".join(marks) or "ok"
+    return fit_marks(marks, width) or "ok"
+
+
+def fit_marks(marks: Sequence[str], width: int = TIMING_WIDTH) -> str:
+    """The marks joined by ', ', as many as fit `width` characters, then `+N` for the N not shown (in order: this
+    run's, then the baseline's); the whole list is `timing_full` (`timing_columns`)."""
+    for count in range(len(marks), 0, -1):
+        text = ", ".join(marks[:count]) + (f" +{len(marks) - count}" if count < len(marks) else "")
+        if len(text) <= width or count == 1:
+            return text
+    return ""
 
 
 # The keys of a trial's config that tell its repeats apart, not its configuration: the repeat's seed and index
@@ -166,6 +179,9 @@ def timing_columns(figures: Mapping[str, Any], repeats: Sequence[float], committ
     from pipelines.noise import mean_interval
 
     columns: dict[str, Any] = {"timing": timing_note(figures, committed)}
+    whole = timing_note(figures, committed, width=10**6)
+    if whole != columns["timing"]:  # marks left out of the column at 120 columns: all of them, beside it
+        columns["timing_full"] = whole
     if len(repeats) >= 2:
         columns["train_time_s_ci_low"], columns["train_time_s_ci_high"] = mean_interval(repeats)
     return columns

@@ -71,7 +71,17 @@ def test_the_time_is_marked_where_it_cannot_stand_beside_the_baseline():
     assert timing_note(here, None) == "no baseline"
     queued = {**here, "concurrent_trials": 2.0, "host_load_per_core": 1.31}  # dvc queue start -j 2 on 2 cores
     assert timing_note(queued, here) == "shared by 2, load 1.31/core"
-    assert timing_note(here, queued) == "baseline: shared by 2, baseline: load 1.31/core"
+    assert timing_note(here, queued, width=10**6) == "baseline: shared by 2, baseline: load 1.31/core"
+    # At most 28 characters in `dvc exp show`'s column (so the README's line fits 120 columns), the rest counted;
+    # timing_full has them all.
+    assert timing_note(here, queued) == "baseline: shared by 2 +1"
+    both = timing_note(queued, {**queued, "timed_on": "laptop"}, width=10**6)
+    assert both == "shared by 2, load 1.31/core, baseline: other host, baseline: shared by 2, baseline: load 1.31/core"
+    # Two marks and "+3" would be 30 characters: one mark, and the four others counted.
+    assert timing_note(queued, {**queued, "timed_on": "laptop"}) == "shared by 2 +4"
+    columns = timing_columns(queued, [], {**queued, "timed_on": "laptop"})
+    assert len(columns["timing"]) <= 28 and columns["timing_full"] == both
+    assert "timing_full" not in timing_columns(here, [], dict(here))  # nothing left out: no second column
 
 
 def test_repeats_give_the_time_an_interval_of_their_mean():
