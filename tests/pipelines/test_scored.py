@@ -12,8 +12,9 @@ import pytest
 import pipelines.scored as scored
 from pipelines.scored import PREDICTIONS, RECORD, Scoring, reusable_scoring, save_scoring, scoring_key
 
-SCORING = Scoring({"test_accuracy": 0.75}, "row_id,label,predicted\n0,Économie,Fun 😀\n",
-                  {"confusion": [{"actual": "Économie", "predicted": "Fun 😀"}]}, "test_accuracy", "cpu, fp32")  # fmt: skip
+PLOTS = {"confusion": [{"actual": "Économie", "predicted": "Fun 😀"}]}
+SCORING = Scoring({"test_accuracy": 0.75}, "row_id,label,predicted\n0,Économie,Fun 😀\n", PLOTS, "test_accuracy",
+                  "cpu, fp32")  # fmt: skip
 
 
 @pytest.fixture
