@@ -70,7 +70,7 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
         "tests/e2e/team_stack.py::TeamServer", 'f"s3://{BUCKET}/mlartifacts" in argv'),
     # Read at COLUMNS=120 by that test: no cell cut to `…`, the test quality and `timing` shown.
     "dvc exp show --no-pager --hide-workspace --drop '.*' --keep "
-    "'changed|test_(accuracy|exact_match|bleu)$|train_time_s$|timing'": (
+    "'changed|test_(accuracy|exact_match|bleu)$|train_time_s$|timing$'": (
         "tests/e2e/test_experiment_names.py::test_an_experiment_reads_whole_at_120_columns_and_is_named_by_its_change",
         '["bash", "-c", readme_exp_show()]'),
     # docs/how-to/ray-cluster.md: two nodes on one machine, each stopped by its session, run with free ports.
