@@ -22,7 +22,8 @@ import json, pathlib, yaml
 k = yaml.safe_load(open("params.yaml"))["k"]
 figures = {{"changed": ("optim=adafactor lr=0.0003 k=" + str(k) + " +2").ljust({CHANGED_WIDTH}, "x"),
             "test_exact_match": 0.033333 * (k + 1), "train_time_s": 1234.5678 + k,
-            "timing": ("shared by 2, load 1.31/core").ljust({TIMING_WIDTH}, "!"), "other": 1}}
+            "timing": ("shared by 2, load 1.31/core").ljust({TIMING_WIDTH}, "!"), "other": 1,
+            "timing_full": "every mark, " * 8}}  # a column the README's line must not keep
 pathlib.Path("metrics").mkdir(exist_ok=True)
 pathlib.Path("metrics/evaluate.json").write_text(json.dumps(figures))
 """
