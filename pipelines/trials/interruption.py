@@ -47,6 +47,9 @@ def stopped_on_ctrl_c(checkpoint_root: Path) -> Iterator[None]:
     before = os.environ.get(TUNE_SIGINT_SWITCH)
     os.environ[TUNE_SIGINT_SWITCH] = "1"
     sigterm_before = raise_on_sigterm()  # ray.init's handler exits on the spot, the runs left RUNNING
+    # Python's Ctrl-C even where the stage started with SIGINT ignored (bash ignores it for a script's background
+    # job): SIGINT is also how the stage stops when DVC ends under it, and ignored, the stage trained on to its end.
+    sigint_before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     except KeyboardInterrupt as stop:
@@ -64,6 +67,7 @@ def stopped_on_ctrl_c(checkpoint_root: Path) -> Iterator[None]:
         raise (Terminated if stopped_by_sigterm(stop) else Interrupted)(hint) from None
     finally:
         signal.signal(signal.SIGTERM, sigterm_before)
+        signal.signal(signal.SIGINT, sigint_before)
         if before is None:
             os.environ.pop(TUNE_SIGINT_SWITCH, None)
         else:
