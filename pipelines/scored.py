@@ -40,7 +40,8 @@ class Scoring:
     scored_on: str
 
 
-def _md5(path: Path) -> str:
+def file_md5(path: Path) -> str:
+    """A file's MD5, read in 1 MiB blocks: the scoring key's, and the data fingerprint's (data/fingerprint.py)."""
     digest = hashlib.md5(usedforsecurity=False)
     with path.open("rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
@@ -49,7 +50,7 @@ def _md5(path: Path) -> str:
 
 
 def _tree(folder: Path, skip: frozenset[str] = frozenset()) -> dict[str, str]:
-    return {str(p.relative_to(folder)): _md5(p) for p in sorted(folder.rglob("*"))
+    return {str(p.relative_to(folder)): file_md5(p) for p in sorted(folder.rglob("*"))
             if p.is_file() and p.relative_to(folder).parts[0] not in skip}  # fmt: skip
 
 
@@ -58,7 +59,7 @@ def scoring_key(model_dir: Path, test_dir: Path) -> dict[str, Any]:
     source (the tasks' scoring code included)."""
     code = hashlib.md5(usedforsecurity=False)
     for path in sorted(PACKAGE.rglob("*.py")):
-        code.update(f"{path.relative_to(PACKAGE)}:{_md5(path)};".encode())
+        code.update(f"{path.relative_to(PACKAGE)}:{file_md5(path)};".encode())
     return {"model": _tree(model_dir, NOT_MODEL), "test": _tree(test_dir), "code": code.hexdigest()}
 
 

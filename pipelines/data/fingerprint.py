@@ -17,7 +17,6 @@ does), so a large source is read once, not on every run. Imports stay light (no 
 from __future__ import annotations
 
 import difflib
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from typing import Any
 from pipelines.atomic import atomic_write_text
 from pipelines.errors import UserError, warn_user
 from pipelines.params import GENERATOR_SOURCE
+from pipelines.scored import file_md5
 
 SUFFIXES = (".csv", ".jsonl", ".json", ".parquet")
 HASH_STATE = Path(".dvc/tmp/data_source_hashes.json")  # DVC's own tmp folder: ignored by git and DVC
@@ -106,14 +106,6 @@ def local_model_folder(name_or_path: str | None, root: Path) -> Path | None:
     return path if path.is_dir() else None
 
 
-def _md5(path: Path) -> str:
-    digest = hashlib.md5(usedforsecurity=False)
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _load_state(root: Path) -> dict[str, Any]:
     try:
         state = json.loads((root / HASH_STATE).read_text(encoding="utf-8"))
@@ -148,7 +140,7 @@ def file_hashes(path: Path, root: Path) -> dict[str, dict[str, Any]]:
         key = str(file.resolve())
         stamp = [stat.st_size, stat.st_mtime_ns, stat.st_ino]
         known = state.get(key)
-        md5 = known["md5"] if isinstance(known, dict) and known.get("stamp") == stamp else _md5(file)
+        md5 = known["md5"] if isinstance(known, dict) and known.get("stamp") == stamp else file_md5(file)
         seen[key] = {"stamp": stamp, "md5": md5}
         name = str(file.relative_to(path)) if path.is_dir() else file.name
         files[name] = {"md5": md5, "size": stat.st_size}
