@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipelines.data.fingerprint import file_md5
+
 RECORD = "test_scoring.json"
 PREDICTIONS = "test_predictions.csv"
 # Files of a model folder that are not the model: written after scoring, or rewritten when the folder moves.
@@ -38,15 +40,6 @@ class Scoring:
     plots: dict[str, list[dict[str, Any]]]
     headline: str
     scored_on: str
-
-
-def file_md5(path: Path) -> str:
-    """A file's MD5, read in 1 MiB blocks: the scoring key's, and the data fingerprint's (data/fingerprint.py)."""
-    digest = hashlib.md5(usedforsecurity=False)
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _tree(folder: Path, skip: frozenset[str] = frozenset()) -> dict[str, str]:

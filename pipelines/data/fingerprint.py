@@ -17,6 +17,7 @@ does), so a large source is read once, not on every run. Imports stay light (no 
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -26,11 +27,19 @@ from typing import Any
 from pipelines.atomic import atomic_write_text
 from pipelines.errors import UserError, warn_user
 from pipelines.params import GENERATOR_SOURCE
-from pipelines.scored import file_md5
 
 SUFFIXES = (".csv", ".jsonl", ".json", ".parquet")
 HASH_STATE = Path(".dvc/tmp/data_source_hashes.json")  # DVC's own tmp folder: ignored by git and DVC
 _SKIPPED_DIRS = {".git", ".dvc", "__pycache__"}
+
+
+def file_md5(path: Path) -> str:
+    """A file's MD5, read in 1 MiB blocks: the data fingerprint's, and the test scoring's key (pipelines/scored.py)."""
+    digest = hashlib.md5(usedforsecurity=False)
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 class DataError(UserError):

@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -176,26 +176,40 @@ def save_checkpoint(folder: Path, params: Params, state: LoopState, step: TrainS
     os.close(fd)
     torch.save(payload, tmp)
     os.replace(tmp, folder / CHECKPOINT_FILE)
-    (folder / PARAMS_FILE).write_text(json.dumps(_training_params(params), indent=2, sort_keys=True), encoding="utf-8")
+    write_params(folder, params)
 
 
 def find_resumable(folder: Path, params: Params) -> tuple[dict[str, Any] | None, str]:
     """Return (checkpoint payload or None, a sentence saying what happens and why)."""
     path = folder / CHECKPOINT_FILE
+    refused = refuse_resume(folder, params, path)
+    if refused:
+        return None, refused
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    state = LoopState(**json.loads(payload["state"]))
+    return payload, f"resuming from {path} at epoch {state.epoch + 1}, optimizer step {state.step}"
+
+
+def refuse_resume(folder: Path, params: Params, path: Path) -> str | None:
+    """Why the checkpoint at `path` (in `folder`, beside its params) cannot resume a run with `params`, as the sentence
+    saying it starts fresh; None when it can."""
     if not path.is_file():
-        return None, "no checkpoint: starting fresh"
+        return "no checkpoint: starting fresh"
     try:
         saved = json.loads((folder / PARAMS_FILE).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
-        return None, f"checkpoint in {folder} has no readable params: starting fresh"
+        return f"checkpoint in {folder} has no readable params: starting fresh"
     current = _training_params(params)
     changed = sorted(k for k in current.keys() | saved.keys() if current.get(k) != saved.get(k))
     if changed:
         detail = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed[:5])
-        return None, f"checkpoint in {folder} was made with different params ({detail}): starting fresh"
-    payload = torch.load(path, map_location="cpu", weights_only=True)
-    state = LoopState(**json.loads(payload["state"]))
-    return payload, f"resuming from {path} at epoch {state.epoch + 1}, optimizer step {state.step}"
+        return f"checkpoint in {folder} was made with different params ({detail}): starting fresh"
+    return None
+
+
+def write_params(folder: Path, params: Params) -> None:
+    """Record beside a checkpoint the training params it was made with (`refuse_resume` compares them)."""
+    (folder / PARAMS_FILE).write_text(json.dumps(_training_params(params), indent=2, sort_keys=True), encoding="utf-8")
 
 
 def restore(payload: dict[str, Any], step: TrainStep, scheduler: Any) -> LoopState:
@@ -209,6 +223,20 @@ def restore(payload: dict[str, Any], step: TrainStep, scheduler: Any) -> LoopSta
     if payload["rng_cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(payload["rng_cuda"])
     return LoopState(**json.loads(payload["state"]))
+
+
+@dataclass(frozen=True)
+class CheckpointFormat:
+    """How a run's checkpoints are written and read back: one file (`WHOLE`, a single process), or each rank's part
+    (`pipelines.train.distributed_checkpoint.DISTRIBUTED`, DDP and FSDP)."""
+
+    save: Callable[[Path, Params, LoopState, TrainStep, Any], None]
+    find: Callable[[Path, Params], tuple[dict[str, Any] | None, str]]
+    restore: Callable[[dict[str, Any], TrainStep, Any], LoopState]
+    every_rank_writes: bool
+
+
+WHOLE = CheckpointFormat(save_checkpoint, find_resumable, restore, every_rank_writes=False)
 
 
 def discard(folder: Path) -> None:

@@ -20,9 +20,10 @@ from torch import nn
 from pipelines.data.loader import in_process, make_loader, to_device
 from pipelines.errors import UserError
 from pipelines.runtime import Runtime
-from pipelines.train.checkpoint import LoopState, find_resumable, restore, save_checkpoint
+from pipelines.train.checkpoint import WHOLE, LoopState
 from pipelines.train.compile_warmup import CompileEvents, compile_and_warm, row_units, state_before_recording
 from pipelines.train.compiled_step import bounded_graphs, graphs_built, padded_rows, run_shapes
+from pipelines.train.distributed_checkpoint import DISTRIBUTED
 from pipelines.train.measurement import TrainingMeter, probe_memory, rng_preserved
 from pipelines.train.memory import MemoryAtPeak, gradient_bytes, track_step
 from pipelines.train.memory_levers import OffloadContext, apply_memory_levers
@@ -115,10 +116,7 @@ class Trainer:
         if self.fsdp:
             config = ParallelConfig.of(self.params, self.runtime.precision, self.device, self.world_size)
             self.model, self.shard_note = shard_model(model, config, self.rank)
-            if self.checkpoint_dir is not None:
-                self.say("FSDP: no checkpoints are written (sharded state is not saved for resume yet); the run "
-                         "starts over")  # fmt: skip
-                self.checkpoint_dir = None
+        self.checkpoints = DISTRIBUTED if self.world_size > 1 else WHOLE  # every rank's part, or the one file
 
     def plan_run(self) -> None:
         """This rank's batches (its sampler), the optimizer steps they make, and each row's loss units."""
@@ -189,10 +187,10 @@ class Trainer:
         memory = None if self.track_warmup else self.measure_memory()
         self.state = LoopState()
         if self.checkpoint_dir is not None:
-            payload, message = find_resumable(self.checkpoint_dir, self.params)
+            payload, message = self.checkpoints.find(self.checkpoint_dir, self.params)
             self.say(message)
             if payload is not None:
-                self.state = restore(payload, self.train_step, self.scheduler)
+                self.state = self.checkpoints.restore(payload, self.train_step, self.scheduler)
         if memory is not None:
             self.state.memory = memory.as_metrics()
         forward: nn.Module = self.model  # the step runs its forward through the DDP replica, compiled when asked
@@ -392,9 +390,9 @@ class Trainer:
             self.on_epoch_end(epoch + 1, state.step, state.val_metrics)
 
     def checkpoint(self) -> None:
-        """Every rank holds the same weights and optimizer state: rank 0 alone writes them."""
-        if self.checkpoint_dir is not None and self.rank == 0:
+        """The one file of a single process; on several ranks (DDP, FSDP), each rank's part."""
+        if self.checkpoint_dir is not None and (self.rank == 0 or self.checkpoints.every_rank_writes):
             self.meter.pause()
             with self.meter.region("checkpoint_time_s"):
                 self.state.logged_loss = float(self.logged_loss)
-                save_checkpoint(self.checkpoint_dir, self.params, self.state, self.train_step, self.scheduler)
+                self.checkpoints.save(self.checkpoint_dir, self.params, self.state, self.train_step, self.scheduler)

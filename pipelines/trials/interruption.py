@@ -35,6 +35,7 @@ from typing import Any
 
 from pipelines.errors import Interrupted, Terminated, raise_on_sigterm, stopped_by_sigterm
 from pipelines.train.checkpoint import CHECKPOINT_FILE, LOCK_FILE, remove_unheld_locks
+from pipelines.train.distributed_checkpoint import LINK, LOOP_FILE
 
 TUNE_SIGINT_SWITCH = "TUNE_DISABLE_SIGINT_HANDLER"
 
@@ -102,9 +103,10 @@ def checkpoint_step(folder: Path) -> int | None:
     """The optimizer step the checkpoint in `folder` resumes from: 0 without one, None when it cannot be read."""
     import torch
 
-    path = folder / CHECKPOINT_FILE
-    if not path.is_file():
+    written = [path for path in (folder / CHECKPOINT_FILE, folder / LINK / LOOP_FILE) if path.is_file()]
+    if not written:
         return 0
+    path = written[0]  # the one file of a single process, or rank 0's loop file of a run on several ranks
     try:  # mapped, not read: only the loop's state is looked at
         payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         return int(json.loads(payload["state"])["step"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -50,7 +51,7 @@ def test_validation_checkpoints_and_warmup_are_timed_outside_train_time(default_
     import pipelines.train.trainer as trainer
 
     plain = run(default_params, checkpoint_dir=tmp_path / "plain").metrics
-    real_eval, real_save = trainer.evaluate_split, trainer.save_checkpoint
+    real_eval, real_save = trainer.evaluate_split, trainer.WHOLE.save
 
     def slow_eval(*args, **kwargs):
         time.sleep(SLOW_S)
@@ -61,7 +62,7 @@ def test_validation_checkpoints_and_warmup_are_timed_outside_train_time(default_
         return real_save(*args, **kwargs)
 
     monkeypatch.setattr(trainer, "evaluate_split", slow_eval)
-    monkeypatch.setattr(trainer, "save_checkpoint", slow_save)
+    monkeypatch.setattr(trainer, "WHOLE", dataclasses.replace(trainer.WHOLE, save=slow_save))
     slow = run(default_params, checkpoint_dir=tmp_path / "slow", checkpoint_every_n_steps=5).metrics
     assert slow["val_time_s"] >= 2 * SLOW_S  # two epochs, one validation each
     assert slow["checkpoint_time_s"] >= 6 * SLOW_S  # steps 5, 10, 15, 20 and two epoch ends
