@@ -44,6 +44,9 @@ class TrialContext:
     card_sharing: dict[str, int] = field(default_factory=dict)  # variant -> trials to a card (gpu: auto), else none
     experiment_name: str = ""  # the DVC experiment's name (DVC_EXP_NAME), which each trial's run name ends with
     changed: str = ""  # what params.yaml changed from the baseline commit's (pipelines.baseline.changed_params)
+    # Ray's State API answers (the cluster runs a dashboard), which Ray Train's placement group cleaner needs
+    # (pipelines.trials.distributed.torch_trainer); our local cluster starts without one. Set once Ray is up.
+    state_api: bool = False
 
     @property
     def fallback_dir(self) -> Path:

@@ -188,7 +188,8 @@ class Trainer:
         self.state = LoopState()
         if self.checkpoint_dir is not None:
             payload, message = self.checkpoints.find(self.checkpoint_dir, self.params)
-            self.say(message)
+            if self.rank == 0:  # every rank finds the same
+                self.say(message)
             if payload is not None:
                 self.state = self.checkpoints.restore(payload, self.train_step, self.scheduler)
         if memory is not None:

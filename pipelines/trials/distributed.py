@@ -46,6 +46,7 @@ def _epoch_reports_to_tune() -> Any:
 # each try. Two retries cover a node that was a moment late; then the trial fails, saying why.
 WORKER_GROUP_START_RETRIES = 2
 START_TIMEOUT_VAR = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # Ray Train's own variable; the driver's reaches us
+TRAIN_LOG_LEVEL = "WARNING"
 
 
 def start_failed_message(params: Params, threads: int, gpus: float, reason: str) -> str:
@@ -85,15 +86,14 @@ def run_distributed_trial(
     Rank 0 saves the model beside the driver's staging folder, so the repository's folder must be
     the same shared path on every node (see docs/how-to/ray-cluster.md).
     """
-    from ray.train import ControllerError, FailureConfig, RunConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train import ControllerError, FailureConfig, LoggingConfig, RunConfig
     from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError, WorkerGroupStartupTimeoutError
 
     from pipelines.trials.ray_cluster import seal_credentials
 
     use_gpu = workers_use_gpu(params)  # trains on CUDA; the GPUs reserved are `worker_gpus`, declared ones too
     scaling, torch_config = worker_group(params, context.threads)
-    trainer = TorchTrainer(
+    trainer = torch_trainer(context.state_api)(
         train_worker,
         train_loop_config={
             "params": params.model_dump(mode="json"),
@@ -114,6 +114,10 @@ def run_distributed_trial(
             storage_path=str(Path(context.root) / "ray_results"),
             callbacks=[_epoch_reports_to_tune()],
             failure_config=FailureConfig(controller_failure_limit=WORKER_GROUP_START_RETRIES),
+            # Ray Train's own INFO lines (resources requested, the worker group started, each rank's process group,
+            # every report) were most of a distributed trial's output: warnings and errors stay on the console, and
+            # Ray's session folder keeps every level (its ray-train-sys-*.log files).
+            logging_config=LoggingConfig(log_level=TRAIN_LOG_LEVEL),
         ),
     )
     try:
@@ -128,6 +132,40 @@ def run_distributed_trial(
     return json.loads((Path(context.staging_dir) / trial_id / METRICS_FILE).read_text())
 
 
+def torch_trainer(state_api: bool) -> type:
+    """Ray Train's TorchTrainer; without the cluster's State API (no dashboard, as our local cluster), less its
+    placement group cleaner.
+
+    The cleaner is an actor that asks the State API every second whether the trial's controller still lives, to
+    remove its placement group if it died. Without a dashboard every ask fails: a warning each second of training
+    ("Failed to query Ray Train Controller actor state", 46 in one cluster run), a traceback when the controller
+    stops it, and 12 s of the trial's wall time waiting for that stop. A local cluster goes with its train stage,
+    placement groups and all, so nothing is lost without it.
+    """
+    from ray.train.torch import TorchTrainer
+
+    if state_api:
+        return TorchTrainer
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    class TrainerWithoutCleaner(TorchTrainer):
+        def _create_default_callbacks(self) -> list[Any]:
+            callbacks = super()._create_default_callbacks()
+            return [c for c in callbacks if not isinstance(c, PlacementGroupCleanerCallback)]
+
+    return TrainerWithoutCleaner
+
+
+def quiet_train_reports() -> None:
+    """Ray Train logs each `ray.train.report` of every rank at INFO ("Reporting training result 1: TrainingReport(...)")
+    through a logger named after its file, which its LoggingConfig's level does not reach: warnings only."""
+    import logging
+
+    import ray.train.v2._internal.execution.context as train_context
+
+    logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
+
+
 def train_worker(config: dict[str, Any]) -> None:
     """One Ray Train worker (one DDP rank) of a distributed trial."""
     import ray.train
@@ -139,6 +177,7 @@ def train_worker(config: dict[str, Any]) -> None:
     from pipelines.trials.ray_cluster import progress_bar, use_tracking_credentials
 
     use_tracking_credentials(config["credentials"])  # before rank 0's first MLflow call
+    quiet_train_reports()
     leave_retries_to_run_logger()
     context: TrialContext = config["context"]
     params = Params.model_validate(config["params"])

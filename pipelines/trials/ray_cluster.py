@@ -15,7 +15,13 @@ from pipelines.params import Params
 # The trials' processes (not the driver, which draws their progress bars with tqdm): no per-file or
 # per-tensor progress bars from the libraries they call (transformers' GGUF de-quantization and weight
 # loading, the hub's downloads). tqdm reads TQDM_* once, at import, so they are set when a worker starts.
-WORKER_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+# Ray Train's workers turn `print` into a log record, and print it too where a library has wrapped sys.stdout
+# (colorama does): every line of a distributed trial came out twice. Off, a print is printed once.
+# Ray Train's watcher of node preemption only hands a notice to the training function, which our loop does not read
+# (a preempted node's trial resumes from its checkpoint on the next run), and its start logged a core_worker error on
+# every distributed trial: off.
+WORKER_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+              "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}  # fmt: skip
 
 
 # How the driver's user reaches a team's MLflow server (docs/how-to/team-server.md): trials on a cluster that
@@ -83,15 +89,26 @@ def init_ray(num_cpus: int, address: str | None, num_gpus: int | None = None) ->
     if ray.is_initialized():
         return
     plain_output_off_a_terminal()
-    runtime_env = {"env_vars": worker_env()}
     if address:
         use_cluster_token()
-        ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
+        ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": worker_env()})
     else:
         # "local": always a new cluster of our own. Without it ray.init joins whatever cluster
         # /tmp/ray/ray_current_cluster names: another user's `ray start`, or one killed without cleanup.
         with quiet_token_notice():
-            start_local_ray(num_cpus, runtime_env, num_gpus)
+            start_local_ray(num_cpus, {"env_vars": worker_env()}, num_gpus)
+
+
+def state_api_answers() -> bool:
+    """Whether the cluster's State API answers (its dashboard runs): Ray Train's placement group cleaner needs it
+    (`pipelines.trials.distributed.torch_trainer`). 0.2 s where it does not."""
+    from ray.util.state import list_nodes
+
+    try:
+        list_nodes(limit=1, timeout=2)
+    except Exception:  # noqa: BLE001 - any failure means no usable State API; Ray raises several kinds
+        return False
+    return True
 
 
 def plain_output_off_a_terminal() -> None:

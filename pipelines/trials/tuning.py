@@ -34,7 +34,7 @@ from pipelines.trials.parent_run import (
     tag_stopped_trials,
 )
 from pipelines.trials.placement import refuse_unplaceable
-from pipelines.trials.ray_cluster import init_ray, local_ray_gpus, tune_console, tune_verbosity
+from pipelines.trials.ray_cluster import init_ray, local_ray_gpus, state_api_answers, tune_console, tune_verbosity
 from pipelines.trials.resources import local_ray_cpus, trial_resources, worker_threads
 from pipelines.trials.summary import best_trial_metrics, summarize, tokenize_metrics
 from pipelines.trials.tuner import build_tuner, trial_base_params
@@ -123,6 +123,8 @@ def place_trials(params: Params, root: Path, tokenized_dir: Path, context: Trial
     """Start (or join) Ray, refuse trials it cannot place, and size each trial's reservation (`gpu: auto`: by plan)."""
     resources = trial_resources(params, cpus)
     init_ray(local_ray_cpus(params, cpus), ray_address(params), local_ray_gpus(params))
+    # Our local cluster has no dashboard; a cluster joined by address may have one (`ray start`'s default).
+    context = replace(context, state_api=ray_address(params) is not None and state_api_answers())
     refuse_gpus_ray_lacks(params, resources["gpu"], ray_address(params))  # else Tune would wait for them forever
     shares = gpu_shares(params, root, tokenized_dir)  # gpu: auto on a cluster with GPUs: trials packed by plan
     gpu = resources["gpu"] if shares is None else max(share.gpu for share in shares.values())
