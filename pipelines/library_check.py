@@ -1,8 +1,9 @@
-"""The torch and transformers internals this package leans on, checked once, with a clear error where they moved.
+"""The torch, transformers and Ray internals this package leans on, checked once, with a clear error where they moved.
 
 The memory measurement subclasses torch's `MemTracker` and reads its private state, the non-finite step check
-reads `GradScaler._found_inf_per_device`, and the causal LM's loss passes transformers a 2-D `logits_to_keep`.
-They were checked on torch 2.13 and transformers 5.23 to 5.24 (pyproject bounds both to the versions tested; moving a
+reads `GradScaler._found_inf_per_device`, the causal LM's loss passes transformers a 2-D `logits_to_keep`, and a
+distributed trial trims Ray Train's default callbacks. They were checked on torch 2.13, transformers 5.23 to 5.24
+and Ray 2.60 (pyproject bounds both to the versions tested; moving a
 bound: docs/how-to/move-a-version-bound.md). This check is the backstop for an install that bypassed the bounds: a
 version where one of them is gone gets this error from the train stage (`pipelines.runtime.check_runtime`), before
 any run opens, rather than a stack trace mid-run.
@@ -16,11 +17,11 @@ import re
 import sys
 from pathlib import Path
 
-CHECKED_ON = "torch 2.13 and transformers 5.23 to 5.24"
+CHECKED_ON = "torch 2.13, transformers 5.23 to 5.24 and Ray 2.60"
 
 
 def missing_internals() -> list[str]:
-    """The internals that this torch or transformers lacks (empty when all are there)."""
+    """The internals that this torch, transformers or Ray lacks (empty when all are there)."""
     import torch
 
     names = ("_update_peak_stats", "_track_module_params_and_buffers", "track_external", "reset_mod_stats")
@@ -31,12 +32,21 @@ def missing_internals() -> list[str]:
         missing.append("torch GradScaler._found_inf_per_device")
     if not _llama_forward_takes_logits_to_keep():
         missing.append("transformers' logits_to_keep argument of the causal LMs' forward")
+    missing += [f"ray {module.rsplit('.', 1)[1]}.{name}" for module, name in _RAY_TRAIN if not _defines(module, name)]
+    if "getLogger(__file__)" not in _source(_RAY_TRAIN_CONTEXT):  # quieted by that name (trials/distributed.py)
+        missing.append("ray train's report logger, named after its file")
     return missing
 
 
 _MEM_TRACKER = "torch.distributed._tools.mem_tracker"
 _MOD_TRACKER = "torch.distributed._tools.mod_tracker"
 _LLAMA = "transformers.models.llama.modeling_llama"
+# Ray Train's internals that a distributed trial uses (pipelines/trials/distributed.py): the trainer's default
+# callbacks, less the placement group cleaner where no State API answers; the worker group's start failures.
+_RAY_TRAIN = (("ray.train.v2.api.data_parallel_trainer", "_create_default_callbacks"),
+              ("ray.train.v2._internal.callbacks.placement_group_callback", "PlacementGroupCleanerCallback"),
+              ("ray.train.v2._internal.exceptions", "WorkerGroupStartupFailedError"))  # fmt: skip
+_RAY_TRAIN_CONTEXT = "ray.train.v2._internal.execution.context"
 
 
 # A module already imported is asked directly; one not imported is read as source text instead. Importing torch's
