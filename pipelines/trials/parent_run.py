@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipelines.baseline import NO_BASELINE, changed_since_baseline
 from pipelines.params import Params
 from pipelines.tracking.refusals import FALLBACK_DIR, replay_fallbacks
 from pipelines.tracking.runs import (
@@ -32,6 +33,7 @@ class ParentRun:
     run_id: str
     tracking_uri: str
     experiment_name: str  # the DVC experiment's (DVC_EXP_NAME), "" outside one
+    changed: str = ""  # what params.yaml changes from the baseline commit's (`changed_params`: '-' when nothing)
 
     def close(self, status: str) -> None:
         """End the parent run with `status`, and any child whose process died before ending its own as KILLED."""
@@ -52,10 +54,21 @@ def open_parent_run(params: Params, root: Path) -> ParentRun:
         "dvc_exp_name": os.environ.get("DVC_EXP_NAME", ""),
         "stage": "train",
     }
-    # Named after the DVC experiment when there is one, so the MLflow UI and `dvc exp show` name the same thing.
-    run_id = start_run(client, experiment_id, tags["dvc_exp_name"] or f"train-{tags['params_hash'][:8]}", tags)
+    # The params this stage runs with: the working copy's (a queued experiment's temporary copy), not DVC_ROOT's.
+    changed = changed_since_baseline(root=Path.cwd()) if Path("params.yaml").is_file() else ""
+    name = parent_run_name(changed, tags["dvc_exp_name"], tags["params_hash"])
+    run_id = start_run(client, experiment_id, name, {**tags, "changed": changed})
     log_params(client, run_id, params)
-    return ParentRun(client, experiment_id, run_id, tracking_uri, tags["dvc_exp_name"])
+    return ParentRun(client, experiment_id, run_id, tracking_uri, tags["dvc_exp_name"], changed)
+
+
+def parent_run_name(changed: str, experiment: str, params_hash: str) -> str:
+    """The parent run's name: what it changes from the baseline commit's params (`optim=adafactor`, as `dvc exp
+    show`'s `changed`), or `baseline` when nothing, then the DVC experiment's name when there is one, so the MLflow
+    UI and `dvc exp show` name the same thing. Named after the experiment alone, the baseline's row could not be told
+    from the others' without opening each. Without a committed params.yaml: `train-<params hash>`."""
+    what = "baseline" if changed == "-" else changed if changed and changed != NO_BASELINE else ""
+    return " · ".join(filter(None, [what, experiment])) or f"train-{params_hash[:8]}"
 
 
 def tag_stopped_trials(parent: ParentRun, params: Params, summary: dict[str, Any]) -> None:

@@ -17,7 +17,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pipelines.baseline import changed_since_baseline
 from pipelines.model_card import follow_move
 from pipelines.params import Params, ray_address
 from pipelines.tasks import tune_objective
@@ -104,8 +103,7 @@ def trial_context(
         tokenize_stats=tokenize_stats,
         progress_bars=sys.stdout.isatty(),
         experiment_name=parent.experiment_name,
-        # The params this stage runs with: the working copy's (a queued experiment's temporary copy), not DVC_ROOT's.
-        changed=changed_since_baseline(root=Path.cwd()) if Path("params.yaml").is_file() else "",
+        changed=parent.changed,
     )
 
 

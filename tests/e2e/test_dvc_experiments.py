@@ -82,8 +82,8 @@ def test_strategy_grid_in_one_dvc_repro_reports_relative_to_vanilla(project_copy
         compared = compare_view_metrics(url, experiment_id, trial_ids)
     assert compared == ["test_accuracy"], compared
     assert "Models" in sidebar[0] and "Judges" not in sidebar[0], sidebar  # Model training's menu, not GenAI's
-    for column in ("test_accuracy", "train_time_s", "peak_train_memory_mib"):  # the headline, as columns (MiB)
-        assert column in sidebar[1], sidebar[1]
+    for column in ("test_accuracy", "train_time_s", "peak_train_memory_mib"):  # the headline, as columns (MiB),
+        assert column in sidebar[1], sidebar[1]  # each whole within a 1400x1000 window (`mlflow_ui.WINDOW`)
     assert len(trial_ids) == len(STRATEGIES)
     # Each trial's row is named by what it varies: its variant and seed.
     named = {name: re.compile(rf"\b{re.escape(name)} · seed \d+") for name in STRATEGIES}
@@ -133,7 +133,8 @@ def test_queued_experiment_lands_in_the_repository_store(project_copy: Path):
     assert not list((project_copy / ".dvc" / "tmp").rglob("mlflow.db"))  # nothing followed DVC's temp copy
     parent = client.get_run(queued[0].data.tags["mlflow.parentRunId"])
     assert parent.data.tags["dvc_exp_name"]  # the DVC experiment's name is on the parent run
-    assert parent.info.run_name == parent.data.tags["dvc_exp_name"]  # and names it, as `dvc exp show` does
+    # It names the parent after what it changed, then the experiment, as `dvc exp show` does (its `changed` column).
+    assert parent.info.run_name == f"lr=0.002 · {parent.data.tags['dvc_exp_name']}", parent.info.run_name
     # The runs table lists parents: each carries its best trial's headline figures, so it has columns to compare by,
     # rounded to 4 significant digits for that table (MLflow prints figures whole); the bytes stay exact.
     assert parent.data.metrics["peak_train_memory_bytes"] == queued[0].data.metrics["peak_train_memory_bytes"]

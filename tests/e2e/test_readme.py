@@ -13,8 +13,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from tests.conftest import QUICK, REPO_ROOT, git_env, kill_session, run, write_params
+from tests.e2e.mlflow_ui import mlflow_ui, runs_table_rows
 
 # Run verbatim by test_readme_commands_run_as_written (after the pipeline ran once on QUICK settings).
 RUN_HERE = (
@@ -212,3 +214,13 @@ def test_readme_commands_run_as_written(project_copy: Path):
     shown = json.loads(run(["dvc", "exp", "show", "--json"], root).stdout)
     baseline = next(entry for entry in shown if entry.get("name") == "main")
     assert len(baseline["experiments"] or []) >= 3  # bf16 + accumulation, lion, the budget's auto strategy
+    # The runs page the train stage names, in a 1400x1000 window: the baseline's parent run is named as such, each
+    # experiment's by what it changed; the headline figures are columns on the screen.
+    experiment_id = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}").get_experiment_by_name("finetune")
+    page = f"#/experiments/{experiment_id.experiment_id}/runs?workflowType=machine_learning&viewStateShareKey=training"
+    with mlflow_ui(root / "mlflow.db") as url:
+        rows = runs_table_rows(f"{url}/{page}", sidebar=(sidebar := []))
+    assert any(re.search(r"\bbaseline\b", row) for row in rows), rows
+    assert any("optim=lion" in row for row in rows), rows
+    for column in ("test_accuracy", "train_time_s", "peak_train_memory_mib"):
+        assert column in sidebar[1], sidebar[1]
