@@ -32,7 +32,8 @@ def missing_internals() -> list[str]:
         missing.append("torch GradScaler._found_inf_per_device")
     if not _llama_forward_takes_logits_to_keep():
         missing.append("transformers' logits_to_keep argument of the causal LMs' forward")
-    missing += [f"ray {module.rsplit('.', 1)[1]}.{name}" for module, name in _RAY_TRAIN if not _defines(module, name)]
+    missing += [f"ray {owner or module.rsplit('.', 1)[1]}.{name}" for module, name, owner in _RAY_TRAIN
+                if not _defines(module, name, owner)]  # fmt: skip
     if "getLogger(__file__)" not in _source(_RAY_TRAIN_CONTEXT):  # quieted by that name (trials/distributed.py)
         missing.append("ray train's report logger, named after its file")
     return missing
@@ -43,9 +44,9 @@ _MOD_TRACKER = "torch.distributed._tools.mod_tracker"
 _LLAMA = "transformers.models.llama.modeling_llama"
 # Ray Train's internals that a distributed trial uses (pipelines/trials/distributed.py): the trainer's default
 # callbacks, less the placement group cleaner where no State API answers; the worker group's start failures.
-_RAY_TRAIN = (("ray.train.v2.api.data_parallel_trainer", "_create_default_callbacks"),
-              ("ray.train.v2._internal.callbacks.placement_group_callback", "PlacementGroupCleanerCallback"),
-              ("ray.train.v2._internal.exceptions", "WorkerGroupStartupFailedError"))  # fmt: skip
+_RAY_TRAIN = (("ray.train.v2.api.data_parallel_trainer", "_create_default_callbacks", "DataParallelTrainer"),
+              ("ray.train.v2._internal.callbacks.placement_group_callback", "PlacementGroupCleanerCallback", None),
+              ("ray.train.v2._internal.exceptions", "WorkerGroupStartupFailedError", None))  # fmt: skip
 _RAY_TRAIN_CONTEXT = "ray.train.v2._internal.execution.context"
 
 

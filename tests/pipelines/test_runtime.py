@@ -127,3 +127,17 @@ def test_the_runtime_is_resolved_once_frozen_and_what_the_engine_reports(default
         "tf32.resolved": "false", "pad_to_multiple_of.resolved": "None", "loss_impl.resolved": "full",
         "precision.reason": f"fp32 as asked; {cpu_bf16().describe()}",
     }  # fmt: skip
+
+
+def test_ray_trains_internals_are_found_once_imported_and_a_moved_one_is_named(monkeypatch):
+    """Read as source text before Ray Train is imported, asked of the modules after: both must find them (a method
+    looked up on the module instead of its class failed every later check in CI's process that had imported Ray)."""
+    import ray.train.v2._internal.callbacks.placement_group_callback  # noqa: F401
+    import ray.train.v2._internal.exceptions  # noqa: F401
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    from pipelines.library_check import missing_internals
+
+    assert missing_internals() == []
+    monkeypatch.delattr(DataParallelTrainer, "_create_default_callbacks")
+    assert missing_internals() == ["ray DataParallelTrainer._create_default_callbacks"]
