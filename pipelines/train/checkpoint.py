@@ -167,8 +167,7 @@ def save_checkpoint(folder: Path, params: Params, state: LoopState, step: TrainS
         "optimizer": step.optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "scaler": step.scaler.state_dict(),
-        "rng_cpu": torch.get_rng_state(),
-        "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        **{f"rng_{device}": state for device, state in rng_state().items()},
         "state": json.dumps(asdict(state)),
     }
     folder.mkdir(parents=True, exist_ok=True)
@@ -219,10 +218,21 @@ def restore(payload: dict[str, Any], step: TrainStep, scheduler: Any) -> LoopSta
     step.optimizer.load_state_dict(payload["optimizer"])
     scheduler.load_state_dict(payload["scheduler"])
     step.scaler.load_state_dict(payload["scaler"])
-    torch.set_rng_state(payload["rng_cpu"])
-    if payload["rng_cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(payload["rng_cuda"])
+    set_rng_state({"cpu": payload["rng_cpu"], "cuda": payload["rng_cuda"]})
     return LoopState(**json.loads(payload["state"]))
+
+
+def rng_state() -> dict[str, Any]:
+    """torch's RNG states, which dropout draws from: the CPU's and every CUDA device's (none without CUDA)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+
+def set_rng_state(saved: dict[str, Any]) -> None:
+    """Put back what `rng_state` returned."""
+    torch.set_rng_state(saved["cpu"])
+    if saved["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(saved["cuda"])
 
 
 @dataclass(frozen=True)

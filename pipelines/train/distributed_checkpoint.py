@@ -36,7 +36,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pipelines.params import Params
-from pipelines.train.checkpoint import CheckpointFormat, LoopState, refuse_resume, write_params
+from pipelines.train.checkpoint import (
+    CheckpointFormat,
+    LoopState,
+    refuse_resume,
+    rng_state,
+    set_rng_state,
+    write_params,
+)
 
 if TYPE_CHECKING:
     from pipelines.train.step import TrainStep
@@ -75,7 +82,7 @@ def save_every_rank(folder: Path, params: Params, state: LoopState, step: TrainS
         shutil.rmtree(slot, ignore_errors=True)  # a kill mid-write left it half-written; the link never named it
         slot.mkdir(parents=True)
     dist.barrier()  # the slot is empty and every rank has read the link
-    torch.save({"rng": _rng_state(), "state": json.dumps(asdict(state))}, _rank_file(slot, rank))
+    torch.save({"rng": rng_state(), "state": json.dumps(asdict(state))}, _rank_file(slot, rank))
     model_state, optimizer_state = get_state_dict(step.model, step.optimizer, options=_options())
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(slot))
     if rank == 0:
@@ -123,19 +130,8 @@ def restore_every_rank(payload: dict[str, Any], step: TrainStep, scheduler: Any)
     scheduler.load_state_dict(payload["scheduler"])
     step.scaler.load_state_dict(payload["scaler"])
     own = torch.load(_rank_file(Path(payload["slot"]), dist.get_rank()), weights_only=True)
-    _set_rng_state(own["rng"])
+    set_rng_state(own["rng"])
     return LoopState(**json.loads(own["state"]))
-
-
-def _rng_state() -> dict[str, Any]:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-    return {"cpu": torch.get_rng_state(), "cuda": cuda}
-
-
-def _set_rng_state(saved: dict[str, Any]) -> None:
-    torch.set_rng_state(saved["cpu"])
-    if saved["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(saved["cuda"])
 
 
 DISTRIBUTED = CheckpointFormat(save_every_rank, find_every_rank, restore_every_rank, every_rank_writes=True)
