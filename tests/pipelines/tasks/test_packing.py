@@ -10,7 +10,7 @@ import torch
 from transformers import BertConfig, BertLMHeadModel
 
 from pipelines.adapters import apply_adapter
-from pipelines.data.packing import PackedSplit, best_fit_decreasing, check_isolation, pack_split
+from pipelines.data.packing import IGNORE, PackedSplit, best_fit_decreasing, check_isolation, pack_split, packed_targets
 from pipelines.data.tokenization import TokenizedSplit
 from pipelines.errors import UserError
 from pipelines.model import set_attention
@@ -36,6 +36,45 @@ def test_best_fit_decreasing_packs_every_row_once_within_capacity():
     # Short rows against the capacity: the packs are nearly full.
     short = np.random.default_rng(1).integers(5, 30, size=500)
     assert len(best_fit_decreasing(short, 256)) == np.ceil(short.sum() / 256)
+
+
+@pytest.mark.parametrize(("low", "high", "capacity"), [(20, 400, 2048), (5, 60, 64), (1, 1024, 1024)])
+def test_best_fit_decreasing_makes_trls_packs(low: int, high: int, capacity: int):
+    """The expected packs are TRL's `pack_dataset(strategy="bfd")` over the same rows, whole (one map batch)."""
+    datasets, trl_data = pytest.importorskip("datasets"), pytest.importorskip("trl.data_utils")
+    lengths = np.random.default_rng(capacity).integers(low, high, size=3000)
+    # Each row's tokens are its own index, so a packed row names the rows it holds.
+    rows = datasets.Dataset.from_dict({"input_ids": [np.full(int(n), i) for i, n in enumerate(lengths)]})
+    packed = trl_data.pack_dataset(rows, capacity, strategy="bfd", map_kwargs={"batch_size": len(rows)})
+    expected = sorted(sorted(set(pack)) for pack in packed["input_ids"])
+    assert sorted(best_fit_decreasing(lengths, capacity)) == expected
+
+
+@pytest.mark.parametrize("train_on_prompt", [False, True])
+def test_pack_targets_are_transformers_flattening_collators_then_padding(train_on_prompt: bool):
+    """Each pack's positions and labels are what `DataCollatorWithFlattening` makes of its rows (labels with the
+    prompt masked unless trained on), then padding that starts positions of its own and has no labels."""
+    from transformers import DataCollatorWithFlattening
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(3, 40, size=60).astype(np.int32)
+    prompts = (lengths * rng.uniform(0, 0.9, size=60)).astype(np.int32)
+    split = TokenizedSplit(input_ids=rng.integers(0, 1000, size=int(lengths.sum())).astype(np.int32),
+                           lengths=lengths, prompt_lengths=prompts)  # fmt: skip
+    packed = pack_split(split, capacity=96)
+    collator = DataCollatorWithFlattening(return_tensors="np")
+    for pack in range(len(packed)):
+        features = []
+        for row in packed.source_rows[packed.segments(pack)]:
+            ids = split.input_ids[split.offsets[row] : split.offsets[row] + split.lengths[row]].astype(np.int64)
+            labels = ids.copy()
+            labels[: 0 if train_on_prompt else split.prompt_lengths[row]] = IGNORE
+            features.append({"input_ids": ids, "labels": labels})
+        flat = collator(features)
+        padding = 100 - flat["input_ids"].shape[1]
+        positions, labels = packed_targets(packed, pack, 100, train_on_prompt)
+        assert positions.tolist() == flat["position_ids"][0].tolist() + list(range(padding))
+        assert labels.tolist() == flat["labels"][0].tolist() + [IGNORE] * padding
 
 
 def test_a_row_longer_than_a_pack_is_refused():
