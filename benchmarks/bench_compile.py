@@ -37,7 +37,15 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import AG_NEWS, REPO_ROOT, TRAINING_BASE, ag_news_overrides, minilm_path, subset
+from benchmarks.common import (
+    AG_NEWS,
+    GENERATED_TOPICS,
+    REPO_ROOT,
+    TRAINING_BASE,
+    ag_news_overrides,
+    minilm_path,
+    subset,
+)
 from pipelines.params import apply_overrides, load_params
 from pipelines.train.compile_cache import BLOBS
 
@@ -47,8 +55,7 @@ SMOKE_ROWS = 64  # two batches of 32: one timed step after the first
 # A smoke run's model is the smallest the default's code paths allow (a compile's time grows with the graph), and
 # MiniLM reads the generator's 4 topics instead of AG News (which a CI machine lacks).
 SMOKE_DEFAULT: dict[str, Any] = {"model.config.num_hidden_layers": 1}
-SMOKE_MINILM: dict[str, Any] = {"data.source": "generator", "data.csv_columns": None, "data.text_column": "text",
-                                "data.label_column": "label"}  # fmt: skip
+SMOKE_MINILM: dict[str, Any] = GENERATED_TOPICS
 
 
 def params_for(model: str, rows: int, seed: int, smoke: bool = False) -> Any:

