@@ -33,7 +33,14 @@ from pipelines.trials.parent_run import (
     tag_stopped_trials,
 )
 from pipelines.trials.placement import refuse_unplaceable
-from pipelines.trials.ray_cluster import init_ray, local_ray_gpus, state_api_answers, tune_console, tune_verbosity
+from pipelines.trials.ray_cluster import (
+    init_ray,
+    local_ray_gpus,
+    state_api_answers,
+    stop_ray,
+    tune_console,
+    tune_verbosity,
+)
 from pipelines.trials.resources import local_ray_cpus, trial_resources, worker_threads
 from pipelines.trials.summary import best_trial_metrics, summarize, tokenize_metrics
 from pipelines.trials.tuner import build_tuner, trial_base_params
@@ -74,6 +81,7 @@ def run_tuning(
         with tune_console(tune_verbosity(params)), stopped_on_ctrl_c(Path(context.checkpoint_root)):
             results = tuner.fit()
         summary = summarize(results, params, parent.run_id, parent.experiment_id, parent.tracking_uri)
+        stop_ray()  # the rest is files and MLflow; Ray stopped here, not by its exit hook (which waits 0.5 s first)
         tag_stopped_trials(parent, params, summary)
         keep_model_folders(parent.client, summary, out_dir)
         record_best(parent, params, summary)
