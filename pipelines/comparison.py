@@ -253,10 +253,15 @@ def difference_se(column: Column, group: VariantGroup, baseline: VariantGroup) -
     if column.noise == "exact" and not on_cuda(group) and not on_cuda(baseline):
         return 0.0, None  # MemTracker's byte counts; a CUDA allocator's peak varies between runs
     if column.noise == "binomial" and len(a) == 1 and len(b) == 1:
-        n_a = group.rows[0].metrics.get("test_rows", 0.0)
-        n_b = baseline.rows[0].metrics.get("test_rows", 0.0)
+        rows = split_rows(column.metric)
+        n_a, n_b = group.rows[0].metrics.get(rows, 0.0), baseline.rows[0].metrics.get(rows, 0.0)
         return (binomial_se(a[0], n_a) ** 2 + binomial_se(b[0], n_b) ** 2) ** 0.5, None
     return None
+
+
+def split_rows(metric: str) -> str:
+    """The metric counting the rows `metric` was measured on: `val_rows` for a validation figure, else `test_rows`."""
+    return "val_rows" if metric.startswith("val_") else "test_rows"
 
 
 def on_cuda(group: VariantGroup) -> bool:

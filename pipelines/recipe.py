@@ -36,7 +36,7 @@ from pipelines.resolve.training import ResolvedTraining, resolve_training
 from pipelines.runtime import Runtime, emulated_bf16_warning, resolve_device, resolve_runtime
 from pipelines.scored import Scoring, save_scoring
 from pipelines.tasks import get_task
-from pipelines.tasks.base import Task
+from pipelines.tasks.base import QualityMetric, Task
 from pipelines.tasks.chance import AT_CHANCE_TAG, at_chance_note
 from pipelines.train.checkpoint import discard
 from pipelines.train.compiled_step import use_cache
@@ -171,7 +171,7 @@ def set_up(trial: Trial, params: Params, device: torch.device | None) -> Setup:
     if slow_bf16 and trial.rank == 0:
         warn_user(f"[{trial.variant}] {slow_bf16}")
     tags = {"precision.resolved": runtime.precision, "device.resolved": str(device), "task": params.task,
-            QUALITY_TAG: json.dumps([asdict(q) for q in task.quality])}  # fmt: skip
+            QUALITY_TAG: json.dumps([asdict(q) for q in quality_compared(task, trial.context)])}  # fmt: skip
     trial.logger.log_tags(tags)
     if params.adapter.type != "none" and not params.adapter.merge and trial.rank == 0:
         # What the adapter needs to be loaded again: a random base's weights, or where a pretrained one is.
@@ -267,19 +267,29 @@ def log_compile_blob(logger: TrialLogger, blob: str | None) -> None:
                   f"it stays at {blob}", flush=True)  # fmt: skip
 
 
+def quality_compared(task: Task, context: TrialContext) -> tuple[QualityMetric, ...]:
+    """The quality columns the report compares this experiment's trials on: the test split's as its one trial, else
+    the validation split's (`TrialContext.score_test`)."""
+    return task.quality if context.score_test else task.validation_quality
+
+
 def evaluate_and_save(trial: Trial, setup: Setup, resolved: ResolvedTraining, result: TrainResult) -> dict[str, float]:
-    """Rank 0: score the test split, save the model folder, log it as the run's MLflow model; the metrics."""
+    """Rank 0: score the test split (as the experiment's one trial: `TrialContext.score_test`), save the model folder,
+    log it as the run's MLflow model; the metrics."""
     params, tokenizer, out = resolved.params, setup.tokenizer, trial.out
     runtime = resolved.runtime
     tokenized = Path(trial.context.tokenized_dir)
-    note = at_chance_note(setup.task, result.metrics, TokenizedSplit.load(tokenized / "validation"), params)
+    validation = TokenizedSplit.load(tokenized / "validation")
+    note = at_chance_note(setup.task, result.metrics, validation, params)
     if note is not None:  # trained to nothing usable: said, and tagged on the run, before it is saved as if it had
         warn_user(note)
         trial.logger.log_tags({AT_CHANCE_TAG: note})
     eval_start = time.perf_counter()
     test = TokenizedSplit.load(tokenized / "test")
-    evaluation = setup.task.evaluate(setup.model, tokenizer, test, tokenized, params, runtime)
-    test_eval_time = time.perf_counter() - eval_start
+    evaluation = None
+    if trial.context.score_test:
+        evaluation = setup.task.evaluate(setup.model, tokenizer, test, tokenized, params, runtime)
+    scored = {} if evaluation is None else {**evaluation.metrics, "test_eval_time_s": time.perf_counter() - eval_start}
     save_start = time.perf_counter()
     save_trained(setup.model, out, params)
     set_model_max_length(tokenizer, setup.model, params)
@@ -288,26 +298,27 @@ def evaluate_and_save(trial: Trial, setup: Setup, resolved: ResolvedTraining, re
         shutil.copyfile(tokenized / LABELS_FILE, out / LABELS_FILE)
     (out / PARAMS_FILE).write_text(json.dumps(params.model_dump(mode="json"), indent=2, sort_keys=True) + "\n")
     (out / "history.json").write_text(json.dumps(result.history) + "\n")
-    metrics = {**result.metrics, **evaluation.metrics, "test_eval_time_s": test_eval_time}
+    metrics = {**result.metrics, **scored, "val_rows": float(len(validation))}  # val_rows: validation's noise
     if resolved.plan is not None:  # achieved model FLOP/s (and MFU on a known GPU), from the plan's FLOPs per position
         per_position = resolved.plan.model_flops_per_position()
         metrics |= flops_metrics(per_position, metrics, runtime.device, runtime.precision, runtime.tf32,
                                  params.distributed.num_workers)  # fmt: skip
     base = pretrained_base(params, Path(trial.context.root))
     record_adapter_base(out, base)
-    quality = {q.metric: metrics[q.metric] for q in setup.task.quality if q.metric in metrics}
+    quality = {q.metric: metrics[q.metric] for q in quality_compared(setup.task, trial.context) if q.metric in metrics}
     write_model_card(out, params, setup.task.peft_task_type, base, TokenizedSplit.load(tokenized / "train").digest(),
                      quality)  # fmt: skip
     metrics["save_time_s"] = time.perf_counter() - save_start
     if trial.log_model is not None:  # the folder (weights, tokenizer, labels, params) as the run's MLflow model
         log_start = time.perf_counter()
-        trial.log_model(out, params, tokenizer, test, trial.say)
+        trial.log_model(out, params, tokenizer, test if evaluation else validation, trial.say)
         metrics["log_model_time_s"] = time.perf_counter() - log_start
     (out / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-    # Last, over the finished folder: the evaluate stage reuses this scoring while the folder, the test split and the
-    # code still hash the same, instead of loading the model to score the same rows again (pipelines.scored).
-    scoring = Scoring(evaluation.metrics, evaluation.predictions.to_csv(index=False), evaluation.plots,
-                      setup.task.quality[0].metric, f"{runtime.device.type}, {runtime.precision}")  # fmt: skip
-    save_scoring(out, tokenized / "test", scoring)
+    if evaluation is not None:
+        # Last, over the finished folder: the evaluate stage reuses this scoring while the folder, the test split and
+        # the code still hash the same, instead of loading the model to score the same rows again (pipelines.scored).
+        scoring = Scoring(evaluation.metrics, evaluation.predictions.to_csv(index=False), evaluation.plots,
+                          setup.task.quality[0].metric, f"{runtime.device.type}, {runtime.precision}")  # fmt: skip
+        save_scoring(out, tokenized / "test", scoring)
     discard(trial.checkpoint_dir)  # finished: a later run with the same params must train, not skip
     return metrics

@@ -47,6 +47,10 @@ class TrialContext:
     # Ray's State API answers (the cluster runs a dashboard), which Ray Train's placement group cleaner needs
     # (pipelines.trials.distributed.torch_trainer); our local cluster starts without one. Set once Ray is up.
     state_api: bool = False
+    # Whether the trial scores the test split: only as the experiment's one trial (`tuner.one_trial`). Where there are
+    # several, they are compared and chosen on validation (`Task.validation_quality`), and the evaluate stage scores
+    # the chosen model alone: the test split scored once per experiment, no trial's test figure beside the others'.
+    score_test: bool = True
 
     @property
     def fallback_dir(self) -> Path:

@@ -41,13 +41,13 @@ class EvaluationResult:
 
 @dataclass(frozen=True)
 class QualityMetric:
-    """A test metric the report shows for a task: its header, the MLflow metric, and how it reads."""
+    """A metric the report compares trials on: its header, the MLflow metric, and how it reads."""
 
     header: str
     metric: str
     scale: float = 1.0  # 100 for a share shown in %
     digits: int = 2
-    binomial: bool = False  # a share of test rows: its noise is binomial
+    binomial: bool = False  # a share of the split's rows (`test_rows`, `val_rows`): its noise is binomial
     interval: bool = False  # logged with `<metric>_ci_low` / `_ci_high` (a 95% interval)
 
 
@@ -84,6 +84,10 @@ class Task(ABC):
     validation_metric_names: tuple[str, ...]
     # The report's quality columns; the first is the headline (its Δ to the baseline is shown).
     quality: tuple[QualityMetric, ...]
+    # The same on the validation split, the trials' columns where an experiment has several: they are compared and
+    # chosen on validation, and only the chosen model is scored on the test split (the evaluate stage). Each is
+    # higher-is-better, as the headline's Pareto chart reads it.
+    validation_quality: tuple[QualityMetric, ...]
     # The column a served model (pipelines.tracking.mlflow_pyfunc) reads its raw texts from.
     input_column: str
     # Whether the loss projects hidden states to a vocabulary through the model's output head (then `loss_impl`

@@ -176,6 +176,7 @@ class CausalLmTask(GenerationTask):
         QualityMetric("Token accuracy", "test_token_accuracy", scale=100),
         QualityMetric("Perplexity", "test_perplexity"),
     )
+    validation_quality = (QualityMetric("Validation token accuracy", "val_token_accuracy", scale=100),)
     input_column = "prompt"
 
     def predict_texts(

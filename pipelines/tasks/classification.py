@@ -65,6 +65,7 @@ class ClassificationTask(Task):
         QualityMetric("Accuracy", "test_accuracy", scale=100, binomial=True, interval=True),
         QualityMetric("Macro-F1", "test_macro_f1", scale=100, interval=True),
     )
+    validation_quality = (QualityMetric("Validation accuracy", "val_accuracy", scale=100, binomial=True),)
     input_column = "text"
 
     def chance_level(self, validation: TokenizedSplit) -> tuple[str, float] | None:

@@ -118,6 +118,7 @@ class Seq2SeqTask(GenerationTask):
         QualityMetric("Exact match", "test_exact_match", scale=100, binomial=True, interval=True),
         QualityMetric("Perplexity", "test_perplexity"),
     )
+    validation_quality = (QualityMetric("Validation token accuracy", "val_token_accuracy", scale=100),)
     input_column = "source"
 
     def predict_texts(

@@ -115,7 +115,7 @@ def best_trial_metrics(summary: dict[str, Any]) -> dict[str, Any]:
 # What the train stage keeps of its best trial in metrics/train.json (a plain output: `dvc exp show` opens on
 # metrics/evaluate.json alone); the rest is in MLflow.
 HEADLINE = ("train_time_s", "samples_per_s", "tokens_per_s", "final_train_loss", "optimizer_steps", "mfu")
-NOT_HEADLINE = ("test_rows",)
+NOT_HEADLINE = ("test_rows", "val_rows")
 
 
 def headline_metrics(metrics: dict[str, float]) -> dict[str, float]:

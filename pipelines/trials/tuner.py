@@ -64,6 +64,11 @@ def repeat_seeds(params: Params) -> list[int]:
     return [params.seed + i for i in range(params.tune.num_samples)]
 
 
+def one_trial(params: Params) -> bool:
+    """Whether the experiment is one trial: at most one variant, one sample, no search space."""
+    return len(params.tune.variants) <= 1 and params.tune.num_samples == 1 and not params.tune.search_space
+
+
 def tuner_num_samples(params: Params) -> int:
     """Samples Ray draws per grid point: repeats are a grid axis of seeds instead (see repeat_seeds)."""
     return 1 if repeat_seeds(params) else params.tune.num_samples

@@ -43,7 +43,7 @@ from pipelines.trials.ray_cluster import (
 )
 from pipelines.trials.resources import local_ray_cpus, trial_resources, worker_threads
 from pipelines.trials.summary import best_trial_metrics, summarize, tokenize_metrics
-from pipelines.trials.tuner import build_tuner, trial_base_params
+from pipelines.trials.tuner import build_tuner, one_trial, trial_base_params
 from pipelines.trials.unsent import BEST_DIR, keep_unsent_folders, save_summary
 
 # What the train stage and the benchmarks import from the driver.
@@ -112,6 +112,7 @@ def trial_context(
         progress_bars=sys.stdout.isatty(),
         experiment_name=parent.experiment_name,
         changed=parent.changed,
+        score_test=one_trial(params),
     )
 
 
