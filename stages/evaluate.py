@@ -81,6 +81,8 @@ def score_test_split(model_dir: Path) -> Scoring:
     from pipelines.evaluation import evaluate_saved_model
     from pipelines.tasks import get_task
 
+    print("evaluate: scoring the test split (no trial's scoring of this model to reuse: an experiment of several "
+          "trials compares them on validation, or the model, the split or the code changed)", flush=True)  # fmt: skip
     result = evaluate_saved_model(model_dir, TOKENIZED)
     params = json.loads((model_dir / "params.json").read_text(encoding="utf-8"))
     headline = get_task(params["task"]).quality[0].metric

@@ -59,12 +59,14 @@ def watch_system(run_id: str, tracking_uri: str) -> Any:
     return SystemWatch(run_id, tracking_uri, interval_s=5.0)
 
 
-def headline_metrics(task: str) -> tuple[str, ...]:
-    """What a trial is compared by first: the task's headline quality (the report's first quality column), then
-    train time and peak train memory."""
+def headline_metrics(task: str, on_test: bool = True) -> tuple[str, ...]:
+    """What a trial is compared by first: the task's headline quality (the report's first quality column: the test
+    split's, or the validation split's where an experiment's trials are compared on it, `TrialContext.score_test`),
+    then train time and peak train memory."""
     from pipelines.tasks import get_task
 
-    return (get_task(task).quality[0].metric, "train_time_s", "peak_train_memory_bytes")
+    quality = get_task(task).quality if on_test else get_task(task).validation_quality
+    return (quality[0].metric, "train_time_s", "peak_train_memory_bytes")
 
 
 def training_figures(client: Any, run_id: str) -> dict[str, float | str]:
@@ -111,7 +113,8 @@ def log_best_on_parent(client: Any, parent_run_id: str, task: str, best: dict[st
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    keys = [*headline_metrics(task), "peak_train_memory_mib", "samples_per_s"]
+    # The test split's headline where the best trial scored it (the experiment's one trial), else validation's.
+    keys = [*headline_metrics(task), headline_metrics(task, on_test=False)[0], "peak_train_memory_mib", "samples_per_s"]
     shown = {k: best[k] if k.endswith("_bytes") else display_rounded(best[k]) for k in keys if k in best}
     client.log_batch(parent_run_id, metrics=[Metric(k, float(v), now, 0) for k, v in shown.items()])
 

@@ -196,7 +196,7 @@ def trial_params(
     client, run_id = logger.client, logger.run_id
     overrides = trial_overrides(config, context.variants)
     params = apply_overrides(Params.model_validate(context.params), overrides, source=f"variant {variant!r}")
-    list_first(client, run_id, headline_metrics(params.task))  # what MLflow's compare view opens on
+    list_first(client, run_id, headline_metrics(params.task, context.score_test))  # what MLflow's compare view opens on
     log_params(client, run_id, params)
     logger.log_tags(
         {
