@@ -227,15 +227,15 @@ def test_plan_memory_gives_lr_autos_result_as_bench_lr_recorded_it():
 
 
 def test_the_experiments_fixed_cost_is_quoted_as_bench_fixed_cost_recorded_it():
-    """README.md's `dvc repro` line "~35 s on 2 CPU cores" (and RESULTS.md's "The README says "~35 s""),
-    classification.md's "about 35 s on 2 CPU cores (35.5 s", stages.md's evaluate "in the pipeline 2.7 s", and the
+    """README.md's `dvc repro` line "~40 s on 2 CPU cores" (and RESULTS.md's "The README says "~40 s""),
+    classification.md's "about 40 s on 2 CPU cores (35.5 s", stages.md's evaluate "in the pipeline 2.7 s", and the
     ratio in benchmarks/README.md. From benchmarks/bench_fixed_cost.json (`first_repro_s`, the evaluate stage's
     median, `ratio`, `head_ratio`)."""
     cost = evidence("bench_fixed_cost.json")
-    assert cost["host"]["cores"] == 2 and abs(cost["first_repro_s"] - 35) <= 3.5, cost["first_repro_s"]
-    says("README.md", "~35 s on 2 CPU cores")
-    says("docs/tutorials/classification.md", f"about 35 s on 2 CPU cores ({cost['first_repro_s']:.1f} s")
-    says("benchmarks/RESULTS.md", 'The README says "~35 s"')
+    assert cost["host"]["cores"] == 2 and abs(cost["first_repro_s"] - 40) <= 5, cost["first_repro_s"]
+    says("README.md", "~40 s on 2 CPU cores")
+    says("docs/tutorials/classification.md", f"about 40 s on 2 CPU cores ({cost['first_repro_s']:.1f} s")
+    says("benchmarks/RESULTS.md", 'The README says "~40 s"')
     says("benchmarks/README.md", f"{cost['ratio']:.2f}x the plain script ({cost['head_ratio']:.2f}x with a Ray head")
     says("docs/reference/stages.md", f"in the pipeline {cost['split_median_s']['evaluate']:.1f} s")
 
