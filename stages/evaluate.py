@@ -41,7 +41,7 @@ def main() -> None:
     from pipelines.evaluation import dvc_metrics
     from pipelines.tracking.mlflow_model import model_to_evaluate
     from pipelines.tracking.runs import log_evaluation_files, log_evaluation_metrics, open_store
-    from pipelines.tracking.status import training_figures
+    from pipelines.tracking.status import log_test_headline_on_parent, training_figures
 
     # The store first: it closes runs whose process died (kill -9) even if evaluation fails below.
     client, _ = open_store(params.tracking, resolve_repo_root())
@@ -53,6 +53,10 @@ def main() -> None:
     check_trained(BEST_MODEL.parent, "evaluate", quiet=True)  # again: params.yaml may have changed while scoring
     # Into the store first: a result the store refuses (or cannot take) is not written either, so DVC records none.
     log_evaluation_metrics(client, run_id, scoring.metrics)
+    # Its parent run (the experiment's row on MLflow's runs page) shows the evaluated test headline too: with several
+    # trials, the chosen one's was not there to copy when the train stage closed it (they scored validation).
+    if scoring.headline in scoring.metrics:
+        log_test_headline_on_parent(client, run_id, scoring.headline, scoring.metrics[scoring.headline])
     atomic_write_text(PREDICTIONS, scoring.predictions_csv)
     # DVC declares both plots for every task; each task fills them its own way (generation: see answer_plots).
     atomic_write_json(CONFUSION, scoring.plots.get("confusion", []))

@@ -119,6 +119,19 @@ def log_best_on_parent(client: Any, parent_run_id: str, task: str, best: dict[st
     client.log_batch(parent_run_id, metrics=[Metric(k, float(v), now, 0) for k, v in shown.items()])
 
 
+def log_test_headline_on_parent(client: Any, run_id: str, metric: str, value: float) -> None:
+    """The evaluate stage's test headline (`metric`) on the evaluated run's parent, rounded as `log_best_on_parent`
+    rounds the best trial's figures there; nothing for a run without a parent. Takes no task (no torch to import)."""
+    import time
+
+    from mlflow.entities import Metric
+
+    parent = client.get_run(run_id).data.tags.get("mlflow.parentRunId")
+    if parent:
+        now = int(time.time() * 1000)
+        client.log_batch(parent, metrics=[Metric(metric, float(display_rounded(value)), now, 0)])
+
+
 def list_first(client: Any, run_id: str, keys: Iterable[str]) -> None:
     """Log each of `keys` as NaN ("not measured yet") at step 0, one call each, before any other metric of the run.
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from pipelines.tracking.status import display_rounded
 from tests.conftest import run, write_params
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -101,4 +102,7 @@ def test_grid_memory_time_and_noise_are_each_trials_own(project_copy: Path):
     for name, cells in rows.items():
         assert cells["Validation accuracy"] == f"{100 * m[name]['val_accuracy']:.2f}%", cells
     evaluate = json.loads((root / "metrics" / "evaluate.json").read_text())
+    # The experiment's row on MLflow's runs page (its parent run) shows the chosen model's test accuracy, rounded.
+    parent = client.get_run(trials[best].data.tags["mlflow.parentRunId"])
+    assert parent.data.metrics["test_accuracy"] == display_rounded(evaluate["test_accuracy"])
     assert evaluate["test_accuracy_ci_low"] < evaluate["test_accuracy"] < evaluate["test_accuracy_ci_high"]
