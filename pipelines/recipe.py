@@ -121,7 +121,7 @@ def seed_everything(seed: int) -> None:
 
 
 def train_and_save(trial: Trial, params: Params, device: torch.device | None = None) -> dict[str, float]:
-    """Train, evaluate on the test split and save the model; return the run's metrics.
+    """Train, score the test split (as the experiment's one trial) and save the model; return the run's metrics.
 
     `trial.report` gets each epoch's validation metrics (Tune's or Ray Train's report). A rank > 0 of a
     distributed trial trains and reports only, and returns {}. `trial.checkpoint_dir` is the folder the
@@ -285,10 +285,10 @@ def evaluate_and_save(trial: Trial, setup: Setup, resolved: ResolvedTraining, re
         warn_user(note)
         trial.logger.log_tags({AT_CHANCE_TAG: note})
     eval_start = time.perf_counter()
-    test = TokenizedSplit.load(tokenized / "test")
-    evaluation = None
+    examples, evaluation = validation, None  # the logged model's input examples: the split it was scored on
     if trial.context.score_test:
-        evaluation = setup.task.evaluate(setup.model, tokenizer, test, tokenized, params, runtime)
+        examples = TokenizedSplit.load(tokenized / "test")
+        evaluation = setup.task.evaluate(setup.model, tokenizer, examples, tokenized, params, runtime)
     scored = {} if evaluation is None else {**evaluation.metrics, "test_eval_time_s": time.perf_counter() - eval_start}
     save_start = time.perf_counter()
     save_trained(setup.model, out, params)
@@ -311,7 +311,7 @@ def evaluate_and_save(trial: Trial, setup: Setup, resolved: ResolvedTraining, re
     metrics["save_time_s"] = time.perf_counter() - save_start
     if trial.log_model is not None:  # the folder (weights, tokenizer, labels, params) as the run's MLflow model
         log_start = time.perf_counter()
-        trial.log_model(out, params, tokenizer, test if evaluation else validation, trial.say)
+        trial.log_model(out, params, tokenizer, examples, trial.say)
         metrics["log_model_time_s"] = time.perf_counter() - log_start
     (out / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     if evaluation is not None:

@@ -65,7 +65,8 @@ def headline_metrics(task: str, on_test: bool = True) -> tuple[str, ...]:
     then train time and peak train memory."""
     from pipelines.tasks import get_task
 
-    quality = get_task(task).quality if on_test else get_task(task).validation_quality
+    declared = get_task(task)
+    quality = declared.quality if on_test else declared.validation_quality
     return (quality[0].metric, "train_time_s", "peak_train_memory_bytes")
 
 
@@ -108,28 +109,28 @@ def log_best_on_parent(client: Any, parent_run_id: str, task: str, best: dict[st
     MLflow prints a figure whole (it has no display format), so these copies are rounded to 4 significant digits
     for that table; the trial's run keeps each figure exact (rows = samples/s x seconds must hold), as do the byte
     counts here."""
+    # The test split's headline where the best trial scored it (the experiment's one trial), else validation's.
+    keys = [*headline_metrics(task), headline_metrics(task, on_test=False)[0], "peak_train_memory_mib", "samples_per_s"]
+    log_display_copies(client, parent_run_id, {k: best[k] for k in keys if k in best})
+
+
+def log_test_headline_on_parent(client: Any, run_id: str, metric: str, value: float) -> None:
+    """The evaluate stage's test headline (`metric`) on the evaluated run's parent, rounded as the best trial's
+    figures are there; nothing for a run without a parent. Takes no task (no torch to import)."""
+    parent = client.get_run(run_id).data.tags.get("mlflow.parentRunId")
+    if parent:
+        log_display_copies(client, parent, {metric: value})
+
+
+def log_display_copies(client: Any, run_id: str, figures: dict[str, float]) -> None:
+    """`figures` on a parent run, for the runs table: rounded to DISPLAY_DIGITS, byte counts exact."""
     import time
 
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    # The test split's headline where the best trial scored it (the experiment's one trial), else validation's.
-    keys = [*headline_metrics(task), headline_metrics(task, on_test=False)[0], "peak_train_memory_mib", "samples_per_s"]
-    shown = {k: best[k] if k.endswith("_bytes") else display_rounded(best[k]) for k in keys if k in best}
-    client.log_batch(parent_run_id, metrics=[Metric(k, float(v), now, 0) for k, v in shown.items()])
-
-
-def log_test_headline_on_parent(client: Any, run_id: str, metric: str, value: float) -> None:
-    """The evaluate stage's test headline (`metric`) on the evaluated run's parent, rounded as `log_best_on_parent`
-    rounds the best trial's figures there; nothing for a run without a parent. Takes no task (no torch to import)."""
-    import time
-
-    from mlflow.entities import Metric
-
-    parent = client.get_run(run_id).data.tags.get("mlflow.parentRunId")
-    if parent:
-        now = int(time.time() * 1000)
-        client.log_batch(parent, metrics=[Metric(metric, float(display_rounded(value)), now, 0)])
+    shown = {k: v if k.endswith("_bytes") else display_rounded(v) for k, v in figures.items()}
+    client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in shown.items()])
 
 
 def list_first(client: Any, run_id: str, keys: Iterable[str]) -> None:
