@@ -119,13 +119,16 @@ def compare_whole(root: Path) -> None:
                       (f"1 x {width} x 4, every 2nd block checkpointed",
                        apply_overrides(base, {**fit, "grad_checkpointing_every": 2})))  # fmt: skip
     print("| configuration | figure | by depth | whole | difference |\n|---|---|---|---|---|")
+    by_depth_up_to = plan_depth.WHOLE_UP_TO  # put back after each plan: the library's value, whatever it is then
     for label, params in configurations:
         plans = {}
-        for how, limit in (("by depth", plan_depth.WHOLE_UP_TO), ("whole", 10_000)):
+        for how, limit in (("by depth", by_depth_up_to), ("whole", 10_000)):
             plan_depth.WHOLE_UP_TO = limit
-            plans[how] = plan_targets(params, root, root / "data/tokenized", [target_named("H100-80GB")],
-                                      fastest=False)["H100-80GB"]["default"].plan  # fmt: skip
-            plan_depth.WHOLE_UP_TO = 8
+            try:
+                plans[how] = plan_targets(params, root, root / "data/tokenized", [target_named("H100-80GB")],
+                                          fastest=False)["H100-80GB"]["default"].plan  # fmt: skip
+            finally:
+                plan_depth.WHOLE_UP_TO = by_depth_up_to
         for name in ("peak", "activations", "eval_peak", "generation_peak", "step_flops", "model_flops", "plan_time_s"):
             a, b = getattr(plans["by depth"], name), getattr(plans["whole"], name)
             unit = {

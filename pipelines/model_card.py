@@ -67,12 +67,19 @@ def set_model_max_length(tokenizer: PreTrainedTokenizerBase, model: nn.Module, p
     tokenizer.model_max_length = next((int(v) for v in limits if isinstance(v, int) and v > 0), params.data.max_length)
 
 
+# Under the validation figures of a trial that was one of several (issue 69): no trial scores the test split then.
+VALIDATION_NOTE = ("This model was chosen among the experiment's trials on the validation split, which these figures "
+                   "are from. The evaluate stage scores it on the test split: `metrics/evaluate.json`, and this "
+                   "model's MLflow run.")  # fmt: skip
+
+
 def write_model_card(
     folder: Path, params: Params, peft_task_type: str, base_name: str | None, data_digest: str,
-    metrics: dict[str, float],
+    metrics: dict[str, float], *, on_test: bool = True,
 ) -> None:  # fmt: skip
     """The folder's README.md: front matter the hub reads, then the task, base, data digest, `metrics` (the task's
-    test quality) and how to load it."""
+    quality on the test split; `on_test=False`: on validation, where the trial was one of several and the evaluate
+    stage scores the test split) and how to load it."""
     tag, peft_class = _BY_PEFT_TASK.get(peft_task_type, ("", ""))
     adapter = (folder / ADAPTER_CONFIG).is_file()
     base = base_name or (f"{BASE_DIR}/ beside this card (built from model.config)" if adapter else "model.config")
@@ -102,9 +109,10 @@ def write_model_card(
         f"- {params.epochs} epoch(s), batch {params.batch_size} x {params.grad_accum_steps} accumulation, "
         f"lr {params.lr}, optimizer {params.optim}, precision {params.precision}, seed {params.seed}",
         "",
-        "| Test metric | Value |",
+        "| Test metric | Value |" if on_test else "| Validation metric | Value |",
         "|---|---|",
         *rows,
+        *([] if on_test else ["", VALIDATION_NOTE]),
         "",
         "Load it:",
         "",

@@ -307,7 +307,7 @@ def evaluate_and_save(trial: Trial, setup: Setup, resolved: ResolvedTraining, re
     record_adapter_base(out, base)
     quality = {q.metric: metrics[q.metric] for q in quality_compared(setup.task, trial.context) if q.metric in metrics}
     write_model_card(out, params, setup.task.peft_task_type, base, TokenizedSplit.load(tokenized / "train").digest(),
-                     quality)  # fmt: skip
+                     quality, on_test=trial.context.score_test)  # fmt: skip
     metrics["save_time_s"] = time.perf_counter() - save_start
     if trial.log_model is not None:  # the folder (weights, tokenizer, labels, params) as the run's MLflow model
         log_start = time.perf_counter()

@@ -101,6 +101,9 @@ def test_grid_memory_time_and_noise_are_each_trials_own(project_copy: Path):
     assert percent(rows["adafactor"]["Optimizer state"]) < 5
     for name, cells in rows.items():
         assert cells["Validation accuracy"] == f"{100 * m[name]['val_accuracy']:.2f}%", cells
+    # The chosen model's card gives its validation figure as such, never as a test figure (no trial scored test).
+    card = (root / "models" / "best" / "README.md").read_text()
+    assert "| Test metric |" not in card and f"| val_accuracy | {m[best]['val_accuracy']:.4g} |" in card, card
     evaluate = json.loads((root / "metrics" / "evaluate.json").read_text())
     # The experiment's row on MLflow's runs page (its parent run) shows the chosen model's test accuracy, rounded.
     parent = client.get_run(trials[best].data.tags["mlflow.parentRunId"])

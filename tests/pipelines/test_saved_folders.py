@@ -21,14 +21,16 @@ from tests.conftest import tiny_params
 pytestmark = pytest.mark.timeout(600)
 
 
-def train_one(params: Params, tmp_path: Path) -> Path:
-    """Tokenize, then train, evaluate and save one trial in this process; its folder."""
+def train_one(params: Params, tmp_path: Path, score_test: bool = True) -> Path:
+    """Tokenize, then train, evaluate and save one trial in this process (`score_test=False`: as one of several
+    trials, scored on validation only); its folder."""
     tokenized = tmp_path / "tokenized"
     prepare_dataset(params, tmp_path, tokenized)
     context = TrialContext(
         params=params.model_dump(mode="json"), root=str(tmp_path), variants={}, tokenized_dir=str(tokenized),
         staging_dir=str(tmp_path / "staging"), checkpoint_root=str(tmp_path / "checkpoints"), tracking_uri="",
         experiment_id="0", parent_run_id="parent", threads=2, scheduler="fifo", tokenize_stats={},
+        score_test=score_test,
     )  # fmt: skip
     trial = Trial(context, "default", "t1", "run", NullLogger(), lambda _: None, tmp_path / "checkpoints" / "t1")
     train_and_save(trial, params)
@@ -57,6 +59,15 @@ def test_a_lora_classifier_reloads_with_auto_peft_and_says_what_it_is(default_pa
     assert (read.library_name, read.pipeline_tag, read.tags) == ("peft", "text-classification",
                                                                  ["pipelines", "classification", "lora"])  # fmt: skip
     assert read.base_model is None  # built from model.config: no hub id to name, and never a local path
+
+
+def test_the_card_of_one_of_several_trials_gives_its_validation_figure_as_such(default_params, tmp_path):
+    folder = train_one(small(default_params), tmp_path, score_test=False)
+    card = (folder / "README.md").read_text()
+    val_accuracy = json.loads((folder / "metrics.json").read_text())["val_accuracy"]  # the trial's own figure
+    assert "| Validation metric | Value |" in card and f"| val_accuracy | {val_accuracy:.4g} |" in card, card
+    assert "Test metric" not in card and "test_accuracy" not in card  # it scored no test split: no test figure
+    assert "`metrics/evaluate.json`" in card  # where the test figure is
 
 
 def test_a_lora_causal_lm_reloads_with_auto_peft_and_generates(default_params, tmp_path):
