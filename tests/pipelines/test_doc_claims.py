@@ -139,8 +139,8 @@ def test_plan_memory_gives_smollm2_loras_plan_error_as_the_levers_run_recorded_i
 
 
 def test_plan_memory_gives_bert_bases_a100_plan_as_plan_cards_wrote_it():
-    """plan-memory.md: BERT-base's fp32 step "2,643.5 MiB for an A100", and "Checked on this CPU": "109,485,316
-    weights", "fp32 2,643.5 MiB planned", "bf16 1,827.7 MiB". From benchmarks/plan_cards_bert_base.json (A100-40GB,
+    """plan-memory.md: BERT-base's fp32 step "2,418.5 MiB for an A100", and "Checked on this CPU": "109,485,316
+    weights", "fp32 2,418.5 MiB planned", "bf16 1,746.7 MiB". From benchmarks/plan_cards_bert_base.json (A100-40GB,
     fp32 and bf16 plans: parameter bytes at 4 a weight, activation bytes)."""
     a100 = evidence("plan_cards_bert_base.json")["A100-40GB"]
     weights = a100["fp32"]["plan"]["parameters"] // 4
