@@ -21,8 +21,9 @@ launches (the ops the same fake step dispatches) at the host's cost per launch; 
 (launches overlap the arithmetic), on a CPU their sum. So a micro-batch of 8 x 4 with checkpointing, which does
 four times the launches for the same rows, ranks behind the plain step on a fast card where launches dominate.
 The precision's peak on a card is its data sheet's (`pipelines.gpu_profiles`: bf16 against TF32 when `tf32` is
-on, else against plain fp32: 14.8x on an H100); on a CPU bf16 counts 2x where it is native (AVX-512 BF16 or AMX:
-~2x measured in our CPU bench) and 1/17 where it is emulated (a MiniLM step took 17x as long on an AVX2 host).
+on, else against plain fp32: 14.8x on an H100); on a CPU bf16 counts what `pipelines.runtime.cpu_bf16_speed` says:
+where it is native (AVX-512 BF16, AMX), the slowest speed-up measured on such a host (0.81x on an AVX512-BF16 EPYC)
+or 1 where none is, and 1/17 where it is emulated (a MiniLM step took 17x as long on an AVX2 host).
 Ties go to the larger micro-batch (fewer, fuller kernels), then to the fewest changes from the params as written.
 Leaner checkpointing is planned only while the setting before it does not fit at the full micro-batch (it
 only adds recompute FLOPs), and the leanest plans (the refusal) only when the fastest candidate does not fit. A
@@ -52,7 +53,7 @@ from pipelines.resolve.memory_plan import MemoryPlan
 from pipelines.resolve.search_plans import Memoized, bounded_by_written_optimizer
 from pipelines.resolve.step_time import arithmetic_floor_s, predict_step
 from pipelines.resolve.target import PlanTarget, as_target
-from pipelines.runtime import EMULATED_BF16_SLOWDOWN, cpu_has_fast_bf16
+from pipelines.runtime import cpu_bf16_speed
 
 Planner = Callable[[Params], MemoryPlan]
 
@@ -124,7 +125,7 @@ def precision_speed(precision: str, where: PlanTarget | torch.device, tf32: bool
     if target.card is None:
         if precision == "fp32":
             return 1.0
-        return 2.0 if cpu_has_fast_bf16() else 1.0 / EMULATED_BF16_SLOWDOWN
+        return cpu_bf16_speed()
     tf32_on = tf32 is True or (tf32 == "auto" and precision != "fp32")  # runtime.resolve_tf32's rule
     return target.card.peak_flops(precision, tf32=tf32_on) / target.card.fp32_flops
 

@@ -52,7 +52,7 @@ import torch
 
 from pipelines.resolve.memory_plan import MemoryPlan
 from pipelines.resolve.target import PlanTarget, as_target
-from pipelines.runtime import EMULATED_BF16_SLOWDOWN, cpu_has_fast_bf16
+from pipelines.runtime import cpu_bf16_speed
 from pipelines.train.compile_decision import CompilePrediction
 from pipelines.train.compiled_step import CACHE_DIR
 
@@ -150,12 +150,12 @@ def _best_so_far(measured: float) -> float:
 
 
 def peak_flops(precision: str, target: PlanTarget, tf32: bool | str = "auto") -> float:
-    """The precision's peak FLOP/s on the target: a card's data sheet, or this CPU's measured fp32 peak (bf16: 2x
-    where it is native, 1/17 where it is emulated; see pipelines.resolve.budget)."""
+    """The precision's peak FLOP/s on the target: a card's data sheet, or this CPU's measured fp32 peak (bf16: times
+    `pipelines.runtime.cpu_bf16_speed`; see pipelines.resolve.budget)."""
     if target.card is None:
         if precision == "fp32":
             return local_peak_flops()
-        return local_peak_flops() * (2.0 if cpu_has_fast_bf16() else 1.0 / EMULATED_BF16_SLOWDOWN)
+        return local_peak_flops() * cpu_bf16_speed()
     tf32_on = tf32 is True or (tf32 == "auto" and precision != "fp32")  # runtime.resolve_tf32's rule
     return target.card.peak_flops(precision, tf32=tf32_on)
 

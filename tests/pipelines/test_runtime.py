@@ -141,3 +141,20 @@ def test_ray_trains_internals_are_found_once_imported_and_a_moved_one_is_named(m
     assert missing_internals() == []
     monkeypatch.delattr(DataParallelTrainer, "_create_default_callbacks")
     assert missing_internals() == ["ray DataParallelTrainer._create_default_callbacks"]
+
+
+def test_the_plan_prices_cpu_bf16_as_measured_on_such_a_host_and_as_emulated_only_where_it_is():
+    from pipelines.resolve.step_time import peak_flops
+    from pipelines.resolve.target import CPU_TARGET
+    from pipelines.runtime import CpuBf16, CpuBf16Measurement, cpu_bf16, cpu_bf16_speed
+
+    epyc = CpuBf16Measurement("avx512_bf16", {"default": 0.81, "minilm": 2.33}, "AMD EPYC, 2 cores")  # RESULTS.md
+    assert cpu_bf16_speed(CpuBf16(None, epyc)) == pytest.approx(1 / 17)  # emulated: a MiniLM step took 17x as long
+    assert cpu_bf16_speed(CpuBf16("avx512_bf16", epyc)) == 0.81  # native: the slowest model measured, not 1/17
+    assert cpu_bf16_speed(CpuBf16("amx_bf16")) == 1.0  # native, never measured: no claim either way
+    # This host's plan: bf16's peak is fp32's times what was measured on its kind of host.
+    here = cpu_bf16()
+    ratio = peak_flops("bf16", CPU_TARGET) / peak_flops("fp32", CPU_TARGET)
+    assert ratio == pytest.approx(cpu_bf16_speed(here))
+    if here.native and here.measured is not None:
+        assert ratio == pytest.approx(min(here.measured.speedups.values()))
