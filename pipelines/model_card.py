@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -67,6 +68,15 @@ def set_model_max_length(tokenizer: PreTrainedTokenizerBase, model: nn.Module, p
     tokenizer.model_max_length = next((int(v) for v in limits if isinstance(v, int) and v > 0), params.data.max_length)
 
 
+@dataclass(frozen=True)
+class CardQuality:
+    """The quality figures a model card shows: the task's on the test split, or (`on_test=False`) on validation,
+    where the trial was one of several and the evaluate stage scores the test split."""
+
+    metrics: dict[str, float]
+    on_test: bool = True
+
+
 # Under the validation figures of a trial that was one of several (issue 69): no trial scores the test split then.
 VALIDATION_NOTE = ("This model was chosen among the experiment's trials on the validation split, which these figures "
                    "are from. The evaluate stage scores it on the test split: `metrics/evaluate.json`, and this "
@@ -75,11 +85,10 @@ VALIDATION_NOTE = ("This model was chosen among the experiment's trials on the v
 
 def write_model_card(
     folder: Path, params: Params, peft_task_type: str, base_name: str | None, data_digest: str,
-    metrics: dict[str, float], *, on_test: bool = True,
+    quality: CardQuality,
 ) -> None:  # fmt: skip
-    """The folder's README.md: front matter the hub reads, then the task, base, data digest, `metrics` (the task's
-    quality on the test split; `on_test=False`: on validation, where the trial was one of several and the evaluate
-    stage scores the test split) and how to load it."""
+    """The folder's README.md: front matter the hub reads, then the task, base, data digest, `quality` and how to
+    load it."""
     tag, peft_class = _BY_PEFT_TASK.get(peft_task_type, ("", ""))
     adapter = (folder / ADAPTER_CONFIG).is_file()
     base = base_name or (f"{BASE_DIR}/ beside this card (built from model.config)" if adapter else "model.config")
@@ -92,7 +101,7 @@ def write_model_card(
                          base_model=base_name if base_name is not None and not local_base else None)  # fmt: skip
     if local_base:
         base = f"{Path(base_name).name} (a local folder; on the machine that trained it: {base_name})"  # type: ignore[arg-type]
-    rows = [f"| {name} | {value:.4g} |" for name, value in metrics.items()]
+    rows = [f"| {name} | {value:.4g} |" for name, value in quality.metrics.items()]
     gguf = f', gguf_file="{params.model.gguf_file}"' if params.model.gguf_file else ""
     load = (
         f'from peft import {peft_class}\nmodel = {peft_class}.from_pretrained("path/to/this/folder"{gguf})'
@@ -109,10 +118,10 @@ def write_model_card(
         f"- {params.epochs} epoch(s), batch {params.batch_size} x {params.grad_accum_steps} accumulation, "
         f"lr {params.lr}, optimizer {params.optim}, precision {params.precision}, seed {params.seed}",
         "",
-        "| Test metric | Value |" if on_test else "| Validation metric | Value |",
+        "| Test metric | Value |" if quality.on_test else "| Validation metric | Value |",
         "|---|---|",
         *rows,
-        *([] if on_test else ["", VALIDATION_NOTE]),
+        *([] if quality.on_test else ["", VALIDATION_NOTE]),
         "",
         "Load it:",
         "",

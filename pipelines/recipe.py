@@ -26,7 +26,13 @@ from pipelines.concurrency import concurrency_note, training_now
 from pipelines.data.tokenization import LABELS_FILE, TOKENIZER_DIR, TokenizedSplit
 from pipelines.errors import warn_user
 from pipelines.model import set_attention
-from pipelines.model_card import pretrained_base, record_adapter_base, set_model_max_length, write_model_card
+from pipelines.model_card import (
+    CardQuality,
+    pretrained_base,
+    record_adapter_base,
+    set_model_max_length,
+    write_model_card,
+)
 from pipelines.params import Params
 from pipelines.progress import TrialProgress
 from pipelines.resolve.lr_range import LrRangeResult
@@ -307,7 +313,7 @@ def evaluate_and_save(trial: Trial, setup: Setup, resolved: ResolvedTraining, re
     record_adapter_base(out, base)
     quality = {q.metric: metrics[q.metric] for q in quality_compared(setup.task, trial.context) if q.metric in metrics}
     write_model_card(out, params, setup.task.peft_task_type, base, TokenizedSplit.load(tokenized / "train").digest(),
-                     quality, on_test=trial.context.score_test)  # fmt: skip
+                     CardQuality(quality, on_test=trial.context.score_test))  # fmt: skip
     metrics["save_time_s"] = time.perf_counter() - save_start
     if trial.log_model is not None:  # the folder (weights, tokenizer, labels, params) as the run's MLflow model
         log_start = time.perf_counter()

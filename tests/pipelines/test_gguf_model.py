@@ -72,7 +72,7 @@ def test_the_model_card_snippet_reloads_a_lora_adapter_on_a_gguf_base_as_written
 
     from pipelines.adapters import apply_adapter, save_base_reference, save_trained
     from pipelines.data.tokenization import load_pretrained_tokenizer
-    from pipelines.model_card import pretrained_base, record_adapter_base, write_model_card
+    from pipelines.model_card import CardQuality, pretrained_base, record_adapter_base, write_model_card
     from pipelines.tasks import get_task
 
     folder = smollm2_folder()
@@ -86,7 +86,7 @@ def test_the_model_card_snippet_reloads_a_lora_adapter_on_a_gguf_base_as_written
     save_base_reference(params, tmp_path, out)
     save_trained(lora, out, params)
     record_adapter_base(out, base)
-    write_model_card(out, params, "CAUSAL_LM", base, "digest", {"test_exact_match": 0.5})
+    write_model_card(out, params, "CAUSAL_LM", base, "digest", CardQuality({"test_exact_match": 0.5}))
     card = (out / "README.md").read_text()
     assert "base_model:" not in card  # a local folder is not a hub id: the front matter does not claim one
     assert "config" not in json.loads((out / "base.json").read_text())  # only what names the base
