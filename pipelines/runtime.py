@@ -97,6 +97,17 @@ class CpuBf16:
         """`precision: auto`'s CPU rule: bf16 only where it is native AND was measured faster on such a host."""
         return self.native and self.measured is not None and self.measured.faster
 
+    @property
+    def speed(self) -> float:
+        """bf16's speed against fp32 as the plan prices its matmuls: 1/EMULATED_BF16_SLOWDOWN where emulated; where
+        native, the slowest speed-up measured on such a host (the figures `fast` reads), else 1 (not measured: no
+        claim either way)."""
+        if not self.native:
+            return 1.0 / EMULATED_BF16_SLOWDOWN
+        if self.measured is None or not self.measured.speedups:
+            return 1.0
+        return min(self.measured.speedups.values())
+
     def describe(self) -> str:
         """The detection and the measurement, as the `precision.reason` tag says them."""
         if not self.native:
@@ -126,17 +137,10 @@ EMULATED_BF16_SLOWDOWN = 17
 
 
 def cpu_bf16_speed(bf16: CpuBf16 | None = None) -> float:
-    """bf16's speed against fp32 on this CPU (`bf16`: its detection, this CPU's when None), as the plan prices its
-    matmuls: 1/EMULATED_BF16_SLOWDOWN where bf16 is emulated; where it is native, the slowest speed-up measured on
-    such a host (`CPU_BF16_MEASURED`, the figures `precision: auto` reads), else 1 (native but not measured: no claim
-    either way). Native bf16 priced as emulated put BERT-base's bf16 step at 17x its fp32 one on an AVX512-BF16
-    host, where MiniLM's measured 2.33x faster."""
-    bf16 = bf16 or cpu_bf16()
-    if not bf16.native:
-        return 1.0 / EMULATED_BF16_SLOWDOWN
-    if bf16.measured is None or not bf16.measured.speedups:
-        return 1.0
-    return min(bf16.measured.speedups.values())
+    """bf16's speed against fp32 on this CPU as the plan prices it (`CpuBf16.speed`; `bf16`: this CPU's when None).
+    Native bf16 priced as emulated put BERT-base's bf16 step at 17x its fp32 one on an AVX512-BF16 host, where MiniLM
+    measured 2.33x faster."""
+    return (bf16 or cpu_bf16()).speed
 
 
 def emulated_bf16_warning(
